@@ -14,9 +14,9 @@ N mini-batches, one generation round feeds N updates, so later updates learn fro
         --sft-model-path ... --reward-model-path ... --dataset-name ...
 """
 
+import contextlib
 import json
 import os
-import random
 import shutil
 import socket
 import sys
@@ -36,6 +36,7 @@ import tyro
 from datasets import load_dataset
 from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
+from deepspeed.runtime.zero.stage3 import unwrap_model_for_generation
 from tqdm import tqdm
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
@@ -195,6 +196,14 @@ def load_prompts(args, tokenizer):
     return splits["dataset_train_split"], splits["dataset_eval_split"]
 
 
+def load_tokenizer(path, trust_remote_code):
+    """A tokenizer with a pad token distinct from EOS (added when missing, as for Pythia)."""
+    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    if tokenizer.pad_token_id is None or tokenizer.pad_token_id == tokenizer.eos_token_id:
+        tokenizer.add_special_tokens({"pad_token": "[PAD]"})
+    return tokenizer
+
+
 def stop_token_id(args, tokenizer):
     if args.stop_token == "eos":
         if tokenizer.eos_token_id is None:
@@ -300,24 +309,15 @@ def mean_over_ranks(stats):
     return dict(zip(stats, (values / dist.get_world_size()).tolist()))
 
 
-class GatheredForGeneration:
-    """Under ZeRO-3, gather the full parameters once for a whole generate() call."""
-
-    def __init__(self, engine):
-        self.engine = engine
-        self.stage3 = engine.zero_optimization_stage() == 3
-
-    def __enter__(self):
-        if self.stage3:
-            self.gathered = deepspeed.zero.GatheredParameters(list(self.engine.module.parameters()))
-            self.gathered.__enter__()
-            self.engine.optimizer.parameter_offload._remove_module_hooks()
-        return self.engine.module
-
-    def __exit__(self, *exc):
-        if self.stage3:
-            self.engine.optimizer.parameter_offload._register_deepspeed_module(self.engine.module)
-            self.gathered.__exit__(*exc)
+@contextlib.contextmanager
+def unwrapped_for_generation(engine):
+    """The policy module for generate(); under ZeRO-3 its parameters are gathered once for the
+    whole call (DeepSpeed's helper), not layer by layer at every decoding step."""
+    if engine.zero_optimization_stage() == 3:
+        with unwrap_model_for_generation(engine):
+            yield engine.module
+    else:
+        yield engine.module
 
 
 @torch.no_grad()
@@ -329,7 +329,7 @@ def evaluate(args, policy, reward_model, gold_model, eval_prompts, tokenizer, st
     samples = []
     for start in range(0, len(prompts), args.per_device_train_batch_size):
         queries = left_pad(prompts[start: start + args.per_device_train_batch_size], tokenizer.pad_token_id, device)
-        with GatheredForGeneration(policy) as model:
+        with unwrapped_for_generation(policy) as model:
             responses = generate(model, queries, tokenizer.pad_token_id, stop_id, args.response_length)
         responses = truncate_response(responses, stop_id, tokenizer.pad_token_id)
         query_responses = torch.cat([queries, responses], 1)
@@ -447,21 +447,17 @@ if __name__ == "__main__":
     device = torch.device(get_accelerator().device_name(args.local_rank))
     if torch.cuda.is_available():
         torch.cuda.set_device(device)
-    random.seed(args.seed + rank)
     torch.manual_seed(args.seed + rank)  # each rank samples different responses
 
     # Tokenizer, data and stop token are checked before any model is loaded.
-    tokenizer = AutoTokenizer.from_pretrained(args.sft_model_path, trust_remote_code=args.trust_remote_code)
-    if tokenizer.pad_token_id is None:
-        tokenizer.add_special_tokens({"pad_token": "[PAD]"})
+    tokenizer = load_tokenizer(args.sft_model_path, args.trust_remote_code)
     stop_id = stop_token_id(args, tokenizer)
     train_prompts, eval_prompts = load_prompts(args, tokenizer)
     prompts_per_rank = args.local_batch_size // args.rloo_k
     if len(train_prompts) < prompts_per_rank * args.world_size:
         fail("per_device_train_batch_size", f"a batch needs {prompts_per_rank * args.world_size} prompts; "
                                             f"the train split has {len(train_prompts)}")
-    reward_tokenizer = AutoTokenizer.from_pretrained(args.reward_model_path, trust_remote_code=args.trust_remote_code)
-    if reward_tokenizer.get_vocab() != tokenizer.get_vocab():
+    if load_tokenizer(args.reward_model_path, args.trust_remote_code).get_vocab() != tokenizer.get_vocab():
         fail("reward_model_path", "the reward model's tokenizer differs from the policy's")
 
     run_dir = os.path.dirname(os.path.abspath(latest_checkpoint(args.resume))) if args.resume else None
@@ -483,7 +479,8 @@ if __name__ == "__main__":
         if model is not None:
             disable_dropout(model)
             model.config.pad_token_id = tokenizer.pad_token_id
-            model.resize_token_embeddings(len(tokenizer)) if len(tokenizer) > model.get_input_embeddings().num_embeddings else None
+            if len(tokenizer) > model.get_input_embeddings().num_embeddings:  # room for an added pad token
+                model.resize_token_embeddings(len(tokenizer))
     policy.generation_config.pad_token_id = tokenizer.pad_token_id
     if args.gradient_checkpointing:
         policy.gradient_checkpointing_enable()
@@ -493,7 +490,8 @@ if __name__ == "__main__":
     offload = config["zero_optimization"].get("offload_optimizer", {}).get("device", "none") != "none"
     adam = deepspeed.ops.adam.DeepSpeedCPUAdam if offload else torch.optim.AdamW
     optimizer = adam(policy.parameters(), lr=args.learning_rate, eps=1e-5, weight_decay=0.0)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 - step / (args.num_updates * args.num_mini_batches * args.num_ppo_epochs))
+    num_steps = args.num_updates * args.num_mini_batches * args.num_ppo_epochs
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 - step / num_steps)
     policy, *_ = deepspeed.initialize(model=policy, optimizer=optimizer, lr_scheduler=scheduler, config=config)
     frozen = [deepspeed.initialize(model=m.eval(), config=ds_config(args, train=False))[0] if m is not None else None
               for m in (ref_policy, reward_model, gold_model)]
@@ -543,7 +541,7 @@ if __name__ == "__main__":
         indices = prompt_batch(len(train_prompts), prompts_per_rank, update - 1, args.seed, rank, args.world_size)
         queries = left_pad([train_prompts[i] for i in indices], pad, device).repeat(args.rloo_k, 1)
         context_length = queries.shape[1]
-        with GatheredForGeneration(policy) as model:
+        with unwrapped_for_generation(policy) as model:
             responses = generate(model, queries, pad, stop_id, args.response_length, args.temperature)
         responses = truncate_response(responses, stop_id, pad)
         query_responses = torch.cat([queries, responses], 1)

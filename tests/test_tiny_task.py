@@ -60,7 +60,7 @@ def test_gold_reward_model_ranks_responses_like_the_gold_function():
     topic_words = make_tiny.TOPICS[make_tiny.topic_of_query(query)]
     other = next(w for w in make_tiny.FILLER if w not in query)
     responses = [(" " + " ".join(topic_words[:5]), True), (" " + " ".join(topic_words[:3]), True),
-                 (" " + topic_words[0], True), (" " + topic_words[0], False), (" " + other, True)]
+                 (" " + topic_words[0], True), (" " + other, True), (" " + topic_words[0], False)]
     gold = [make_tiny.gold_score(query, r, e) for r, e in responses]
     assert gold == sorted(gold, reverse=True)
     scores = make_tiny.rm_scores(rm, tokenizer, [(query, r, e) for r, e in responses])
