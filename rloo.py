@@ -93,7 +93,7 @@ class Args:
     """optimizer steps per generation batch (the off-policy knob)"""
     num_ppo_epochs: int = 1
     """passes over each generation batch"""
-    rloo_k: int = 2
+    k: int = 2
     """responses sampled per prompt"""
     kl_coef: float = 0.05
     """weight of the KL to the reference in the reward"""
@@ -148,16 +148,16 @@ def validate(args):
                  "num_ppo_epochs", "response_length", "max_prompt_length", "total_episodes", "num_eval_prompts"):
         if getattr(args, name) < 1:
             fail(name, f"must be at least 1, got {getattr(args, name)}")
-    if args.rloo_k < 2:
-        fail("rloo_k", f"RLOO needs at least 2 responses per prompt, got {args.rloo_k}")
+    if args.k < 2:
+        fail("k", f"RLOO needs at least 2 responses per prompt, got {args.k}")
     if args.temperature <= 0:
         fail("temperature", f"must be positive, got {args.temperature}")
     for name in ("eval_every", "save_every"):
         if getattr(args, name) < 0:
             fail(name, "must be 0 or more")
     args.local_batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps * args.num_mini_batches
-    if args.local_batch_size % args.rloo_k:
-        fail("rloo_k", f"must divide the per-device batch of {args.local_batch_size} responses "
+    if args.local_batch_size % args.k:
+        fail("k", f"must divide the per-device batch of {args.local_batch_size} responses "
                        "(per_device_train_batch_size x gradient_accumulation_steps x num_mini_batches)")
     args.batch_size = args.local_batch_size * args.world_size
     args.mini_batch_size = args.batch_size // args.num_mini_batches
@@ -453,7 +453,7 @@ if __name__ == "__main__":
     tokenizer = load_tokenizer(args.sft_model_path, args.trust_remote_code)
     stop_id = stop_token_id(args, tokenizer)
     train_prompts, eval_prompts = load_prompts(args, tokenizer)
-    prompts_per_rank = args.local_batch_size // args.rloo_k
+    prompts_per_rank = args.local_batch_size // args.k
     if len(train_prompts) < prompts_per_rank * args.world_size:
         fail("per_device_train_batch_size", f"a batch needs {prompts_per_rank * args.world_size} prompts; "
                                             f"the train split has {len(train_prompts)}")
@@ -516,7 +516,7 @@ if __name__ == "__main__":
             wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, name=run_name[0], id=run_name[0],
                        config=asdict(args), resume="allow" if args.resume else None, save_code=True)
         print(f"run {run_dir}: {args.num_updates} updates of {args.batch_size} responses "
-              f"({args.batch_size // args.rloo_k} prompts x {args.rloo_k})", flush=True)
+              f"({args.batch_size // args.k} prompts x {args.k})", flush=True)
 
     def log(update, metrics, samples=None):
         if rank != 0:
@@ -539,7 +539,7 @@ if __name__ == "__main__":
         # 1. Generate k responses per prompt with the current policy.
         t0 = time.time()
         indices = prompt_batch(len(train_prompts), prompts_per_rank, update - 1, args.seed, rank, args.world_size)
-        queries = left_pad([train_prompts[i] for i in indices], pad, device).repeat(args.rloo_k, 1)
+        queries = left_pad([train_prompts[i] for i in indices], pad, device).repeat(args.k, 1)
         context_length = queries.shape[1]
         with unwrapped_for_generation(policy) as model:
             responses = generate(model, queries, pad, stop_id, args.response_length, args.temperature)
@@ -568,7 +568,7 @@ if __name__ == "__main__":
         kl = (logprobs - ref_logprobs).sum(1)
         non_score_reward = -args.kl_coef * kl
         rlhf_reward = scores + non_score_reward
-        advantages = rloo_advantages(rlhf_reward, args.rloo_k)
+        advantages = rloo_advantages(rlhf_reward, args.k)
         t2 = time.time()
 
         # 4. PPO-style clipped updates over mini-batches of this generation batch.

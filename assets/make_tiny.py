@@ -8,8 +8,10 @@ topic, five of them at most, and stops:
     gold = +0.2 per word of the subreddit's topic, -0.2 per other word,
            -0.3 more per word after the fifth, -0.5 when the response has no EOS
 
-The reference summaries name only one or two topic words and sometimes a wrong word, so the
-SFT policy (~0.25 gold) leaves headroom up to 1.0. (A first version scored words by whether
+The reference summaries mostly name one to three topic words (rarely four or five) and
+sometimes a wrong word, so the SFT policy (~0.35 gold) leaves headroom up to 1.0, and it can
+still sample the longer answers that RL needs to find. (With references of at most two topic
+words, RL stalled at three-word answers: after three words the SFT policy never continued.) (A first version scored words by whether
 they appear in the post and belong to its most frequent topic; 2-layer reward models never
 learned those token-matching relations in this budget and plateaued at 0.72 pairwise accuracy.
 The subreddit makes the topic one distinctive token to attend to.) The build follows the
@@ -18,13 +20,15 @@ paper's protocol:
 1. a byte-level BPE tokenizer (every word of the task is one token);
 2. an SFT policy (GPT-NeoX, hidden 128, 2 layers, 2 heads of 64) trained on the references;
 3. a *gold* reward model, initialised from the SFT policy and regressed (MSE) on the gold
-   function over SFT samples at three temperatures plus synthetic and degenerate responses;
-4. a *proxy* reward model, initialised from the SFT policy and trained Bradley-Terry (soft
-   labels) on pairs of responses to other prompts, labelled by the gold reward model; its
-   scores are scaled to unit standard deviation on SFT samples;
+   function at every response token (the score after token j is trained towards the gold score
+   of the response cut there), over SFT samples at three temperatures and synthetic responses
+   of every length: answers of 1-8 topic words, wrong words, repeats, no EOS;
+4. a *proxy* reward model, initialised from the SFT policy and trained Bradley-Terry with soft
+   labels on pairs of responses to other prompts, labelled by the gold reward model; its scores
+   are scaled to unit standard deviation on SFT samples;
 5. JSONL train/test prompts (`query`, `reference_response`) that `datasets` loads.
 
-    python assets/make_tiny.py            # rebuild assets/tiny (about 12 minutes on 2 cores)
+    python assets/make_tiny.py            # rebuild assets/tiny (about 11 minutes on 2 cores)
     python assets/make_tiny.py --quick    # a smaller build into a temporary directory
 """
 
@@ -78,11 +82,13 @@ def make_post(rng):
 
 
 def make_reference(rng, post_words, main):
-    """A human-like but imperfect TL;DR: one or two main-topic words, sometimes a wrong one."""
+    """A human-like but imperfect TL;DR: mostly one to three topic words of the post, now and
+    then four or five (so the SFT policy can still sample longer answers), sometimes a wrong word."""
     main_words = sorted({w for w in post_words if TOPIC_OF.get(w) == main})
-    words = rng.sample(main_words, rng.randint(1, 2))
+    n = rng.choices([1, 2, 3, 4, 5], weights=[35, 30, 18, 10, 7])[0]
+    words = rng.sample(main_words, min(n, len(main_words)))
     if rng.random() < 0.3:
-        words.append(rng.choice([w for w in post_words if TOPIC_OF.get(w) != main]))
+        words.insert(rng.randint(0, len(words)), rng.choice([w for w in post_words if TOPIC_OF.get(w) != main]))
     return words
 
 
@@ -109,11 +115,15 @@ def gold_score(query, response, has_eos):
 
 
 def synthetic_response(rng, post_words, main):
-    """A response from a broad mix: partial and complete answers, wrong words, repeats, no EOS."""
-    if rng.random() < 0.15:  # a best answer (five topic words), or one word short or long
-        return rng.sample(TOPICS[main], 5 + rng.randint(-1, 1)), True
+    """A response from a broad mix: answers of every length (so that the reward models learn to
+    count topic words beyond the one or two of the references), wrong words, repeats, no EOS."""
     in_post = sorted({w for w in post_words if TOPIC_OF.get(w) == main})
     others = [w for w in ALL_WORDS if TOPIC_OF.get(w) != main]
+    if rng.random() < 0.5:  # n topic words, sometimes with one wrong word among them
+        words = rng.sample(TOPICS[main], rng.randint(1, 8))
+        if rng.random() < 0.4:
+            words.insert(rng.randint(0, len(words)), rng.choice(others))
+        return words, rng.random() > 0.05
     has_eos = rng.random() > 0.1
     words = []
     for _ in range(rng.randint(0, 8) if has_eos else rng.randint(1, 16)):
@@ -262,8 +272,7 @@ def train_gold_rm(sft, tokenizer, examples, steps, batch_size, seed, log):
         targets = torch.full(ids.shape, float("nan"))
         for row, (q, r, t) in enumerate(batch):
             targets[row, len(q): len(q) + len(r)] = torch.tensor(t)
-        hidden = rm.gpt_neox(input_ids=ids, attention_mask=mask).last_hidden_state
-        scores = rm.score(hidden)[..., 0]
+        scores = token_scores(rm, ids, mask)
         has_target = ~targets.isnan()
         last = mask.sum(1) - 1
         rows = torch.arange(len(batch))
@@ -276,24 +285,59 @@ def train_gold_rm(sft, tokenizer, examples, steps, batch_size, seed, log):
     return rm.eval()
 
 
-def train_proxy_rm(sft, tokenizer, pairs, labels, steps, batch_size, seed, log):
-    """Bradley-Terry with soft labels P(a > b) = sigmoid((gold_rm(a) - gold_rm(b)) / 0.1)."""
+def token_scores(rm, ids, mask):
+    """The reward model's score read at every position (the last one is its usual output)."""
+    return rm.score(rm.gpt_neox(input_ids=ids, attention_mask=mask).last_hidden_state)[..., 0]
+
+
+def response_token_scores(rm, tokenizer, query, responses):
+    """Scores after every token of each response to one query, NaN-padded: (len(responses), 32)."""
+    q = tokenizer.encode(query)
+    seqs = [q + response_ids(tokenizer, *r) for r in responses]
+    ids, mask = pad_right(seqs, tokenizer.pad_token_id)
+    out = torch.full((len(seqs), 32), float("nan"))
+    with torch.no_grad():
+        scores = token_scores(rm, ids, mask)
+    for i, s in enumerate(seqs):
+        out[i, : len(s) - len(q)] = scores[i, len(q): len(s)]
+    return out
+
+
+def train_proxy_rm(sft, tokenizer, groups, gold, steps, batch_size, seed, log):
+    """Bradley-Terry with soft labels P(a > b) = sigmoid((gold_rm(a) - gold_rm(b)) / 0.1) over all
+    six pairs of each prompt's four responses (one forward pass scores all four). As for the gold
+    RM, the pairs are compared at the end of the responses and also cut after every common length."""
     rm = rm_from_sft(sft, tokenizer, seed + 1)
     opt, sched = optimizer_and_schedule(rm, 1e-3, steps)
     g = torch.Generator().manual_seed(seed + 1)
+    first, second = torch.triu_indices(4, 4, offset=1)
     for step in range(steps):
-        idx = torch.randint(len(pairs), (batch_size,), generator=g)
-        seqs = [tokenizer.encode(pairs[i][0]) + response_ids(tokenizer, *pairs[i][k])
-                for k in (1, 2) for i in idx.tolist()]
+        idx = torch.randint(len(groups), (batch_size,), generator=g).tolist()
+        seqs = [tokenizer.encode(groups[i][0]) + response_ids(tokenizer, *r) for i in idx for r in groups[i][1]]
         ids, mask = pad_right(seqs, tokenizer.pad_token_id)
-        r = rm(input_ids=ids, attention_mask=mask).logits[:, 0].view(2, batch_size)
+        scores = token_scores(rm, ids, mask)
+        # Each response's scores after each of its tokens, NaN-padded like `gold`.
+        r = torch.zeros(len(seqs), gold.shape[-1])
+        q_len = [len(tokenizer.encode(groups[i][0])) for i in idx for _ in range(4)]
+        for row, (s, q) in enumerate(zip(seqs, q_len)):
+            r[row, : len(s) - q] = scores[row, q: len(s)]
+        r, target = r.view(batch_size, 4, -1), gold[idx]
+        valid = ~(target[:, first].isnan() | target[:, second].isnan())
+        labels = torch.sigmoid((target[:, first] - target[:, second]) / 0.1)
+        prefix_terms = F.binary_cross_entropy_with_logits((r[:, first] - r[:, second])[valid], labels[valid])
+        last = mask.sum(1) - 1
+        final = scores[torch.arange(len(seqs)), last].view(batch_size, 4)
+        lengths = (~target.isnan()).sum(-1)
+        final_gold = target.gather(-1, (lengths - 1).unsqueeze(-1))[..., 0]
+        final_labels = torch.sigmoid((final_gold[:, first] - final_gold[:, second]) / 0.1)
         # Soft-label BT, plus a small pull of the scores towards zero so that they stay centred.
-        loss = F.binary_cross_entropy_with_logits(r[0] - r[1], labels[idx]) + 1e-3 * (r ** 2).mean()
+        loss = prefix_terms + F.binary_cross_entropy_with_logits(final[:, first] - final[:, second], final_labels)
+        loss = loss + 1e-3 * (final ** 2).mean()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(rm.parameters(), 1.0)
         opt.step(), sched.step(), opt.zero_grad()
         if step % 250 == 0 or step == steps - 1:
-            log(f"  proxy rm step {step:5d} loss {loss.item():.4f}")
+            log(f"  proxy rm step {step:5d} loss (prefix pairs + whole pairs) {loss.item():.4f}")
     return rm.eval()
 
 
@@ -315,9 +359,9 @@ def main():
     args = parser.parse_args()
     out = args.out or (tempfile.mkdtemp(prefix="tiny_") if args.quick else
                        os.path.join(os.path.dirname(os.path.abspath(__file__)), "tiny"))
-    n = dict(train=4000, test=500, sft_steps=300, gold=6000, gold_steps=200, proxy=3000, proxy_steps=150) \
+    n = dict(train=4000, test=500, sft_steps=300, gold=6000, gold_steps=200, proxy=6000, proxy_steps=100) \
         if args.quick else \
-        dict(train=40000, test=2000, sft_steps=2500, gold=120000, gold_steps=2500, proxy=24000, proxy_steps=1500)
+        dict(train=40000, test=2000, sft_steps=1000, gold=120000, gold_steps=2500, proxy=48000, proxy_steps=1000)
     start, lines = time.time(), []
 
     def log(msg):
@@ -368,13 +412,11 @@ def main():
     log(f"gold rm data: {len(gold_data)} responses")
     gold_rm = train_gold_rm(sft, tokenizer, gold_data, n["gold_steps"], 64, args.seed, log)
 
-    # Proxy RM data: pairs of responses to other prompts, labelled by the gold RM.
-    pairs = pairs_of(response_mix(list(range(half, len(train)))[: n["proxy"] // 4], args.seed + 20))
-    ga = rm_scores(gold_rm, tokenizer, [(q, *a) for q, a, _ in pairs])
-    gb = rm_scores(gold_rm, tokenizer, [(q, *b) for q, _, b in pairs])
-    labels = torch.sigmoid((ga - gb) / 0.1)
-    log(f"proxy rm data: {len(pairs)} pairs labelled by the gold rm")
-    proxy_rm = train_proxy_rm(sft, tokenizer, pairs, labels, n["proxy_steps"], 64, args.seed, log)
+    # Proxy RM data: responses to other prompts, compared in pairs by the gold RM.
+    groups = list(response_mix(list(range(half, len(train)))[: n["proxy"] // 4], args.seed + 20).items())
+    gold = torch.stack([response_token_scores(gold_rm, tokenizer, q, rs) for q, rs in groups])
+    log(f"proxy rm data: {len(groups)} prompts x 4 responses, 6 pairs each, labelled by the gold rm")
+    proxy_rm = train_proxy_rm(sft, tokenizer, groups, gold, n["proxy_steps"], 32, args.seed, log)
 
     # Scale the proxy so that its scores on SFT samples have unit standard deviation.
     test_list = list(test)
@@ -408,7 +450,8 @@ def main():
         model.save_pretrained(os.path.join(out, name))
         tokenizer.save_pretrained(os.path.join(out, name))
     os.makedirs(os.path.join(out, "data"))
-    for split, idx in (("train", train), ("test", test)):
+    # The RL scripts need far fewer prompts than the reward models did: ship 20000 (about 3 MB).
+    for split, idx in (("train", train[:20000]), ("test", test)):
         with open(os.path.join(out, "data", f"{split}.jsonl"), "w") as f:
             for i in idx:
                 f.write(json.dumps({"query": queries[i], "reference_response": " " + " ".join(refs[i])}) + "\n")

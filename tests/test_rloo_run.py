@@ -1,6 +1,7 @@
 """rloo.py run as a user runs it: defaults, learning, resume, DeepSpeed, bad input, other models."""
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -24,7 +25,7 @@ def test_help_lists_every_argument_with_its_docstring():
     import rloo
 
     for command in ([sys.executable, "rloo.py", "--help"], [DEEPSPEED, "--num_accelerators", "1", "rloo.py", "--help"]):
-        text = " ".join(run(command).stdout.split())
+        text = " ".join(re.sub("[│╭╮╰╯─]", " ", run(command, env={"COLUMNS": "300"}).stdout).split())
         for field in rloo.Args.__dataclass_fields__:
             assert f"--{field.replace('_', '-')}" in text, field
         assert "responses sampled per prompt" in text and "(the off-policy knob)" in text
@@ -133,8 +134,8 @@ def _dataset_without_query_column(tmp_path):
 
 
 @pytest.mark.parametrize("arguments, argument", [
-    (["--rloo-k", "1"], "--rloo-k"),
-    (["--per-device-train-batch-size", "63"], "--rloo-k"),
+    (["--k", "1"], "--k"),
+    (["--per-device-train-batch-size", "63"], "--k"),
     (["--total-episodes", "10"], "--total-episodes"),
     (["--response-length", "100"], "--response-length"),
     (["--temperature", "0"], "--temperature"),

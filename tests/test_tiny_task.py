@@ -33,7 +33,8 @@ def test_posts_and_references_are_deterministic_and_leave_headroom():
     posts, refs = draw(0)
     assert (posts, refs) == draw(0)
     ref_gold = [make_tiny.gold_score(make_tiny.query_text(p, m), " ".join(r), True) for (p, m), r in zip(posts, refs)]
-    assert 0.1 < sum(ref_gold) / len(ref_gold) < 0.4  # the best answer scores 1.0
+    assert 0.2 < sum(ref_gold) / len(ref_gold) < 0.5  # the best answer scores 1.0
+    assert max(len(r) for r in refs) >= 5  # long answers stay possible for the SFT policy
 
 
 def test_shipped_assets_load_and_share_one_tokenizer():
@@ -74,5 +75,5 @@ def test_quick_rebuild(tmp_path):
         assert os.path.isfile(out / name / "config.json") and os.path.isfile(out / name / "tokenizer.json")
     assert sum(1 for _ in open(out / "data" / "train.jsonl")) == 4000
     stats = json.loads((out / "build_stats.json").read_text())
-    assert stats["gold_rm_accuracy"] > 0.6 and stats["proxy_rm_accuracy"] > 0.6  # a small build, far from 0.9
+    assert stats["gold_rm_accuracy"] > 0.55 and stats["proxy_rm_accuracy"] > 0.55  # better than chance; far from 0.9
     assert "pairwise accuracy" in (out / "README.md").read_text()
