@@ -81,9 +81,9 @@ class Args:
     missing_eos_penalty: float = -1.0
     """added to the score of a response that has no stop token"""
 
-    total_episodes: int = 40_000
+    total_episodes: int = 64_000
     """number of sampled responses to train on"""
-    learning_rate: float = 3e-4
+    learning_rate: float = 2e-5
     """AdamW learning rate, decayed linearly to zero"""
     per_device_train_batch_size: int = 64
     """responses per forward/backward pass on each device"""

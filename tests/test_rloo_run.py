@@ -49,19 +49,23 @@ def test_default_run_logs_finite_metrics_and_saves_a_loadable_checkpoint(tmp_pat
     model = AutoModelForCausalLM.from_pretrained(checkpoint)
     sft = AutoModelForCausalLM.from_pretrained(os.path.join(TINY, "sft"))
     moved = max((p - q).abs().max().item() for p, q in zip(model.parameters(), sft.parameters()))
-    assert moved > 1e-4  # the saved weights are the trained ones
+    assert moved > 1e-5  # the saved weights are the trained ones (Adam moves each weight by about lr per step)
     tokenizer = AutoTokenizer.from_pretrained(checkpoint)
     assert len(tokenizer) == model.config.vocab_size
 
 
 def test_learning_raises_proxy_and_gold_scores_on_held_out_prompts(tmp_path):
-    """About two minutes of RLOO on the tiny task; a proxy that rose while gold fell would be reward hacking."""
-    run_script("rloo.py", "--total-episodes", "12800", "--eval-every", "50", "--output-dir", str(tmp_path))
+    """About a minute of RLOO on the tiny task with the default settings. Measured (see
+    docs/rloo.md): after 250 updates the proxy score of greedy answers to held-out prompts rose
+    from -0.7 to about 1.8 and the gold score from 0.20 to about 0.6. A proxy that rose while gold
+    fell would be reward hacking, not learning."""
+    run_script("rloo.py", "--total-episodes", "16000", "--eval-every", "50", "--output-dir", str(tmp_path))
     evals = [row for row in read_metrics(run_dir_of(tmp_path)) if "eval/scores" in row]
     first, last = evals[0], evals[-1]
-    assert first["episode"] == 0 and last["episode"] == 12800
-    assert last["eval/scores"] - first["eval/scores"] > 0.5, evals
-    assert last["eval/gold_scores"] - first["eval/gold_scores"] > 0.1, evals
+    assert first["episode"] == 0 and last["episode"] == 16000
+    assert last["eval/scores"] - first["eval/scores"] > 1.0, evals
+    assert last["eval/gold_scores"] - first["eval/gold_scores"] > 0.2, evals
+    assert last["eval/response_length"] > first["eval/response_length"]  # it learned to name more topic words
 
 
 def test_resume_after_a_kill_reproduces_the_uninterrupted_run(tmp_path):
@@ -108,7 +112,7 @@ def test_two_process_deepspeed_matches_across_zero_stages(tmp_path, stage):
     model = AutoModelForCausalLM.from_pretrained(os.path.join(run_dir_of(out), "checkpoint-3"))
     sft = AutoModelForCausalLM.from_pretrained(os.path.join(TINY, "sft"))
     assert all(p.shape == q.shape for p, q in zip(model.parameters(), sft.parameters()))
-    assert max((p - q).abs().max().item() for p, q in zip(model.parameters(), sft.parameters())) > 1e-4
+    assert max((p - q).abs().max().item() for p, q in zip(model.parameters(), sft.parameters())) > 1e-5  # ~2 x lr
 
 
 _first_update = {}
