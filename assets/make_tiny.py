@@ -184,6 +184,15 @@ def optimizer_and_schedule(model, lr, steps, warmup=50):
     return opt, sched
 
 
+def train_step(model, opt, sched, loss, step, steps, log, what):
+    """Backward, clip, optimizer and schedule step; log `what` every 250 steps and at the end."""
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step(), sched.step(), opt.zero_grad()
+    if step % 250 == 0 or step == steps - 1:
+        log(f"  step {step:5d} {what} {loss.item():.4f}")
+
+
 def train_sft(tokenizer, queries, references, steps, batch_size, seed, log):
     torch.manual_seed(seed)
     model = GPTNeoXForCausalLM(model_config(tokenizer))
@@ -198,11 +207,7 @@ def train_sft(tokenizer, queries, references, steps, batch_size, seed, log):
         for row, i in enumerate(idx):
             labels[row, len(q_ids[i]): len(q_ids[i]) + len(r_ids[i])] = torch.tensor(r_ids[i])
         loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step(), sched.step(), opt.zero_grad()
-        if step % 250 == 0 or step == steps - 1:
-            log(f"  sft step {step:5d} loss {loss.item():.3f}")
+        train_step(model, opt, sched, loss, step, steps, log, "sft loss")
     return model.eval()
 
 
@@ -277,11 +282,7 @@ def train_gold_rm(sft, tokenizer, examples, steps, batch_size, seed, log):
         last = mask.sum(1) - 1
         rows = torch.arange(len(batch))
         loss = F.mse_loss(scores[has_target], targets[has_target]) + F.mse_loss(scores[rows, last], targets[rows, last])
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(rm.parameters(), 1.0)
-        opt.step(), sched.step(), opt.zero_grad()
-        if step % 250 == 0 or step == steps - 1:
-            log(f"  gold rm step {step:5d} mse (all prefixes + whole) {loss.item():.4f}")
+        train_step(rm, opt, sched, loss, step, steps, log, "gold rm mse (all prefixes + whole)")
     return rm.eval()
 
 
@@ -333,11 +334,7 @@ def train_proxy_rm(sft, tokenizer, groups, gold, steps, batch_size, seed, log):
         # Soft-label BT, plus a small pull of the scores towards zero so that they stay centred.
         loss = prefix_terms + F.binary_cross_entropy_with_logits(final[:, first] - final[:, second], final_labels)
         loss = loss + 1e-3 * (final ** 2).mean()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(rm.parameters(), 1.0)
-        opt.step(), sched.step(), opt.zero_grad()
-        if step % 250 == 0 or step == steps - 1:
-            log(f"  proxy rm step {step:5d} loss (prefix pairs + whole pairs) {loss.item():.4f}")
+        train_step(rm, opt, sched, loss, step, steps, log, "proxy rm loss (prefix pairs + whole pairs)")
     return rm.eval()
 
 

@@ -1,5 +1,6 @@
 """rloo.py run as a user runs it: defaults, learning, resume, DeepSpeed, bad input, other models."""
 
+import glob
 import os
 import re
 import signal
@@ -32,8 +33,12 @@ def test_help_lists_every_argument_with_its_docstring():
 
 
 def test_default_run_logs_finite_metrics_and_saves_a_loadable_checkpoint(tmp_path):
-    run_script("rloo.py", "--total-episodes", "256", "--eval-every", "2", "--output-dir", str(tmp_path))
-    run_dir = run_dir_of(tmp_path)
+    out = tmp_path / "runs"
+    run_script("rloo.py", "--total-episodes", "256", "--eval-every", "2", "--track", "--output-dir", str(out),
+               env={"WANDB_DIR": str(tmp_path)})
+    run_dir = run_dir_of(out)
+    (wandb_run,) = glob.glob(str(tmp_path / "wandb" / "offline-run-*"))  # --track logged to wandb (offline)
+    assert glob.glob(os.path.join(wandb_run, "*.wandb"))
     rows = read_metrics(run_dir)
     assert [row["update"] for row in rows] == [0, 1, 2, 3, 4]
     assert_finite(rows)
