@@ -60,14 +60,14 @@ def test_default_run_logs_finite_metrics_and_saves_a_loadable_checkpoint(tmp_pat
 
 
 def test_learning_raises_proxy_and_gold_scores_on_held_out_prompts(tmp_path):
-    """About a minute of RLOO on the tiny task with the default settings. Measured (see
-    docs/rloo.md): after 250 updates the proxy score of greedy answers to held-out prompts rose
-    from -0.7 to about 1.8 and the gold score from 0.20 to about 0.6. A proxy that rose while gold
-    fell would be reward hacking, not learning."""
-    run_script("rloo.py", "--total-episodes", "16000", "--eval-every", "50", "--output-dir", str(tmp_path))
+    """About 80 seconds of RLOO on the tiny task with the default settings but 400 updates (the
+    learning rate decays to zero over the run). Measured: the proxy score of greedy answers to
+    held-out prompts rose from -0.42 to 2.95 and the gold score from 0.20 to 0.82. A proxy that
+    rose while gold fell would be reward hacking, not learning."""
+    run_script("rloo.py", "--total-episodes", "25600", "--eval-every", "100", "--output-dir", str(tmp_path))
     evals = [row for row in read_metrics(run_dir_of(tmp_path)) if "eval/scores" in row]
     first, last = evals[0], evals[-1]
-    assert first["episode"] == 0 and last["episode"] == 16000
+    assert first["episode"] == 0 and last["episode"] == 25600
     assert last["eval/scores"] - first["eval/scores"] > 1.0, evals
     assert last["eval/gold_scores"] - first["eval/gold_scores"] > 0.2, evals
     assert last["eval/response_length"] > first["eval/response_length"]  # it learned to name more topic words
