@@ -598,6 +598,7 @@ if __name__ == "__main__":
         # 5. Log, evaluate, save.
         episode += args.batch_size
         progress.update(args.batch_size)
+        mean = {name: torch.stack(values).mean().item() for name, values in stats.items()}
         metrics = mean_over_ranks({
             "objective/scores": scores.mean().item(),
             "objective/raw_scores": raw_scores.mean().item(),
@@ -605,11 +606,11 @@ if __name__ == "__main__":
             "objective/non_score_reward": non_score_reward.mean().item(),
             "objective/rlhf_reward": rlhf_reward.mean().item(),
             "objective/entropy": (-logprobs).sum(1).mean().item(),
-            "policy/entropy_avg": torch.stack(stats["entropy"]).mean().item(),
-            "loss/policy_avg": torch.stack(stats["loss"]).mean().item(),
-            "policy/approxkl_avg": torch.stack(stats["approxkl"]).mean().item(),
-            "policy/clipfrac_avg": torch.stack(stats["clipfrac"]).mean().item(),
-            "val/ratio": torch.stack(stats["ratio"]).mean().item(),
+            "policy/entropy_avg": mean["entropy"],
+            "loss/policy_avg": mean["loss"],
+            "policy/approxkl_avg": mean["approxkl"],
+            "policy/clipfrac_avg": mean["clipfrac"],
+            "val/ratio": mean["ratio"],
             "val/ratio_var": torch.stack(stats["ratio"]).var().item() if len(stats["ratio"]) > 1 else 0.0,
             "val/num_eos_tokens": (responses == stop_id).sum().item() * args.world_size,
             "val/response_length": (~padding_mask).sum(1).float().mean().item(),
