@@ -359,8 +359,11 @@ class SafeCheckpointEngine(TorchCheckpointEngine):
             return torch.load(path, map_location=map_location, weights_only=True)
 
 
-def save_checkpoint(args, run_dir, update, episode, policy, tokenizer):
-    """Write <run_dir>/checkpoint-<update>: a save_pretrained policy plus the full training state.
+def save_checkpoint(args, run_dir, update, episode, engines, tokenizer):
+    """Write <run_dir>/checkpoint-<update>: every trained model as save_pretrained (the policy at the
+    top, any other, such as PPO's value model, in a subdirectory of its name) plus the full
+    training state in training_state/ (DeepSpeed's model, optimizer and scheduler state of each
+    engine, and every rank's RNG state).
 
     Everything is written to a temporary directory first and renamed at the end, so an
     interruption never leaves a half-written checkpoint behind."""
@@ -370,16 +373,18 @@ def save_checkpoint(args, run_dir, update, episode, policy, tokenizer):
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
     dist.barrier()
-    policy.save_checkpoint(tmp, tag="training_state", save_latest=False)
+    for name, engine in engines.items():
+        engine.save_checkpoint(os.path.join(tmp, "training_state"), tag=name, save_latest=False)
+        with deepspeed.zero.GatheredParameters(list(engine.module.parameters()),
+                                               enabled=engine.zero_optimization_stage() == 3):
+            if dist.get_rank() == 0:
+                engine.module.save_pretrained(tmp if name == "policy" else os.path.join(tmp, name))
     torch.save({"torch": torch.get_rng_state(), "accelerator": get_accelerator().get_rng_state()},
                os.path.join(tmp, "training_state", f"rng_rank{dist.get_rank()}.pt"))
-    with deepspeed.zero.GatheredParameters(list(policy.module.parameters()),
-                                           enabled=policy.zero_optimization_stage() == 3):
-        if dist.get_rank() == 0:
-            policy.module.save_pretrained(tmp)
-            tokenizer.save_pretrained(tmp)
-            with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
-                json.dump({"update": update, "episode": episode, "args": asdict(args)}, f, indent=1)
+    if dist.get_rank() == 0:
+        tokenizer.save_pretrained(tmp)
+        with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
+            json.dump({"update": update, "episode": episode, "args": asdict(args)}, f, indent=1)
     dist.barrier()
     if dist.get_rank() == 0:
         shutil.rmtree(final, ignore_errors=True)
@@ -397,10 +402,11 @@ def latest_checkpoint(path):
     return os.path.join(path, f"checkpoint-{max(updates)}")
 
 
-def load_checkpoint(checkpoint, policy):
+def load_checkpoint(checkpoint, engines):
     """Restore the training state written by save_checkpoint; returns (update, episode)."""
-    policy.checkpoint_engine = SafeCheckpointEngine()
-    policy.load_checkpoint(checkpoint, tag="training_state")
+    for name, engine in engines.items():
+        engine.checkpoint_engine = SafeCheckpointEngine()
+        engine.load_checkpoint(os.path.join(checkpoint, "training_state"), tag=name)
     rng = torch.load(os.path.join(checkpoint, "training_state", f"rng_rank{dist.get_rank()}.pt"), weights_only=True)
     torch.set_rng_state(rng["torch"])
     get_accelerator().set_rng_state(rng["accelerator"])
@@ -499,7 +505,7 @@ if __name__ == "__main__":
 
     start_update, episode = 0, 0
     if args.resume:
-        start_update, episode = load_checkpoint(latest_checkpoint(args.resume), policy)
+        start_update, episode = load_checkpoint(latest_checkpoint(args.resume), {"policy": policy})
 
     # Tracking: metrics.jsonl always (rank 0), wandb with --track.
     metrics_path = os.path.join(run_dir, "metrics.jsonl")
@@ -631,7 +637,7 @@ if __name__ == "__main__":
         progress.set_postfix(score=f"{metrics['objective/scores']:.3f}", kl=f"{metrics['objective/kl']:.2f}",
                              eps=f"{metrics['eps']:.0f}")
         if (args.save_every and update % args.save_every == 0) or update == args.num_updates:
-            save_checkpoint(args, run_dir, update, episode, policy, tokenizer)
+            save_checkpoint(args, run_dir, update, episode, {"policy": policy}, tokenizer)
 
     progress.close()
     if rank == 0 and args.track:
