@@ -595,7 +595,7 @@ if __name__ == "__main__":
         # 5. Log, evaluate, save.
         episode += args.batch_size
         progress.update(args.batch_size)
-        mean = {name: torch.stack(values).mean().item() for name, values in stats.items()}
+        mean = {name: torch.stack(per_step).mean().item() for name, per_step in stats.items()}
         metrics = mean_over_ranks({
             "objective/scores": scores.mean().item(),
             "objective/raw_scores": raw_scores.mean().item(),

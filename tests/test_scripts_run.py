@@ -13,9 +13,9 @@ import pytest
 import torch
 from conftest import (ROOT, TINY, algorithm_metrics, assert_finite, read_metrics, run, run_dir_of,
                       run_script)
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
-SCRIPTS = ["rloo.py", "online_dpo.py", "bok.py"]
+SCRIPTS = ["rloo.py", "online_dpo.py", "bok.py", "ppo.py"]
 COMMON_METRICS = [
     "objective/scores", "objective/raw_scores", "objective/kl", "objective/entropy", "policy/entropy_avg",
     "loss/policy_avg", "val/num_eos_tokens", "val/response_length", "lr", "episode", "eps", "time/generation",
@@ -28,6 +28,8 @@ ALGORITHM_METRICS = {
                       "logps/chosen", "logps/rejected", "rewards/chosen", "rewards/rejected", "rewards/margins",
                       "rewards/accuracies"],
     "bok.py": ["objective/scores_best", "logps/chosen"],
+    "ppo.py": ["objective/non_score_reward", "objective/rlhf_reward", "loss/value_avg", "policy/approxkl_avg",
+               "policy/clipfrac_avg", "val/clipfrac_avg", "val/ratio", "val/ratio_var", "val/explained_variance"],
 }
 DEEPSPEED = os.path.join(os.path.dirname(sys.executable), "deepspeed")
 
@@ -39,7 +41,8 @@ def test_help_lists_every_argument_with_its_docstring(script):
         text = " ".join(re.sub("[│╭╮╰╯─]", " ", run(command, env={"COLUMNS": "300"}).stdout).split())
         for field in module.Args.__dataclass_fields__:
             assert f"--{field.replace('_', '-')}" in text, field
-        assert "responses sampled per prompt" in text and "(the off-policy knob)" in text
+        assert "(the off-policy knob)" in text
+        assert ("responses sampled per prompt" in text) == (script != "ppo.py")  # PPO samples one
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
@@ -58,7 +61,7 @@ def test_default_run_logs_finite_metrics_and_saves_a_loadable_checkpoint(tmp_pat
     first = rows[1]
     assert first["episode"] == 64 and rows[-1]["episode"] == 256
     assert abs(first["objective/kl"]) < 1e-6  # before the first update the policy is the reference
-    if script == "rloo.py":
+    if script in ("rloo.py", "ppo.py"):
         assert abs(first["val/ratio"] - 1) < 1e-5  # one update per batch: the ratio is exactly one
     if script != "bok.py":
         assert first["objective/rlhf_reward"] == pytest.approx(first["objective/scores"]
@@ -68,6 +71,8 @@ def test_default_run_logs_finite_metrics_and_saves_a_loadable_checkpoint(tmp_pat
         assert abs(first["rewards/margins"]) < 1e-4 and first["objective/scores_margin"] > 0
     if script == "bok.py":
         assert first["objective/scores_best"] > first["objective/scores"]
+    if script == "ppo.py":  # whitened advantages and a ratio of one: the surrogate is exactly zero
+        assert abs(first["loss/policy_avg"]) < 1e-5 and first["loss/value_avg"] > 0
 
     checkpoint = os.path.join(run_dir, "checkpoint-4")
     model = AutoModelForCausalLM.from_pretrained(checkpoint)
@@ -76,6 +81,11 @@ def test_default_run_logs_finite_metrics_and_saves_a_loadable_checkpoint(tmp_pat
     assert moved > 1e-5  # the saved weights are the trained ones (Adam moves each weight by about lr per step)
     tokenizer = AutoTokenizer.from_pretrained(checkpoint)
     assert len(tokenizer) == model.config.vocab_size
+    if script == "ppo.py":  # the value model is saved too, and trained
+        value_model = AutoModelForSequenceClassification.from_pretrained(os.path.join(checkpoint, "value_model"))
+        reward_model = AutoModelForSequenceClassification.from_pretrained(os.path.join(TINY, "reward"))
+        assert max((p - q).abs().max().item()
+                   for p, q in zip(value_model.parameters(), reward_model.parameters())) > 1e-5
 
 
 # Learning on the tiny task: 100 updates of the default batch (32 prompts x 2) at a learning rate
@@ -87,11 +97,13 @@ def test_default_run_logs_finite_metrics_and_saves_a_loadable_checkpoint(tmp_pat
 #   online_dpo.py              -0.41 -> 3.18, 0.20 -> 0.87
 #   online_dpo.py --loss-type ipo   -0.41 -> 1.37, 0.20 -> 0.51 (IPO's fixed target margin holds it back)
 #   bok.py                     -0.41 -> 3.12, 0.20 -> 0.85
+#   ppo.py (34 s)              -0.42 -> 3.38, 0.20 -> 0.92
 LEARNING = [
     (["rloo.py"], 2.0, 0.4),
     (["online_dpo.py"], 2.0, 0.4),
     (["online_dpo.py", "--loss-type", "ipo"], 1.0, 0.2),
     (["bok.py"], 2.0, 0.4),
+    (["ppo.py"], 2.0, 0.4),
 ]
 
 
@@ -135,7 +147,7 @@ def test_resume_after_a_kill_reproduces_the_uninterrupted_run(tmp_path, script):
             assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-6), (a["update"], key)
 
 
-@pytest.mark.parametrize("script", ["rloo.py", "online_dpo.py"])
+@pytest.mark.parametrize("script", ["rloo.py", "online_dpo.py", "ppo.py"])
 def test_two_process_deepspeed_zero2_and_zero3_train_the_same_model(tmp_path, script):
     runs = {}
     for stage in (2, 3):
@@ -195,6 +207,11 @@ BAD_INPUT = [  # (script, arguments, the argument the error must name)
     ("bok.py", ["--k", "1"], "--k"),
     ("bok.py", ["--k", "3"], "--k"),
     ("bok.py", ["--total-episodes", "10"], "--total-episodes"),
+    ("ppo.py", ["--gamma", "1.5"], "--gamma"),
+    ("ppo.py", ["--lam", "-0.1"], "--lam"),
+    ("ppo.py", ["--vf-coef", "0"], "--vf-coef"),
+    ("ppo.py", ["--cliprange-value", "0"], "--cliprange-value"),
+    ("ppo.py", ["--total-episodes", "10"], "--total-episodes"),
 ]
 
 

@@ -1,0 +1,728 @@
+"""PPO with a value model and GAE, for online RLHF of language models.
+
+For every prompt the policy samples one response; a reward model scores it. Each response token
+earns -kl_coef times its log-ratio to the frozen SFT reference, and the last token also earns the
+score. A value model (initialised from the reward model, trained alongside the policy) predicts
+the return from every token; generalised advantage estimation (GAE, Schulman et al. 2016) turns
+rewards and values into per-token advantages, which are whitened. The policy minimises PPO's
+clipped surrogate per token and the value model a clipped squared error (Schulman et al. 2017;
+as in Ouyang et al. 2022 and "The N+ Implementation Details of RLHF with PPO", Huang et al. 2024).
+`num_mini_batches` is the off-policy knob of Noukhovitch et al. 2025 ("Asynchronous RLHF", arXiv
+2410.18252): with N mini-batches, one generation round feeds N updates, so later updates learn
+from older samples.
+
+    python ppo.py                                      # the offline tiny task, on a CPU
+    python ppo.py --help                               # every argument
+    deepspeed --num_gpus 4 ppo.py --deepspeed-config ds_configs/zero3.json \\
+        --sft-model-path ... --reward-model-path ... --dataset-name ...
+"""
+
+import contextlib
+import json
+import os
+import shutil
+import socket
+import sys
+import time
+from dataclasses import asdict, dataclass
+from typing import Optional
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")  # must be set before deepspeed is imported
+
+import deepspeed
+import torch.distributed as dist
+import torch.nn.functional as F
+import tyro
+from datasets import load_dataset
+from deepspeed.accelerator import get_accelerator
+from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
+from deepspeed.runtime.zero.stage3 import unwrap_model_for_generation
+from tqdm import tqdm
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+
+
+@dataclass
+class Args:
+    exp_name: str = os.path.basename(__file__)[: -len(".py")]
+    """name of this experiment, the first part of the run name"""
+    seed: int = 1
+    """random seed"""
+    track: bool = False
+    """log to Weights & Biases (set WANDB_MODE=offline to log without a network)"""
+    wandb_project_name: str = "async-rlhf"
+    """wandb project"""
+    wandb_entity: Optional[str] = None
+    """wandb entity (team or user)"""
+    output_dir: str = "runs"
+    """each run writes metrics.jsonl and checkpoints to <output_dir>/<run name>/"""
+
+    sft_model_path: str = "assets/tiny/sft"
+    """policy and reference model: a local directory or a hub id"""
+    reward_model_path: str = "assets/tiny/reward"
+    """reward model (AutoModelForSequenceClassification with one label) used for training"""
+    gold_reward_model_path: Optional[str] = "assets/tiny/gold_reward"
+    """optional reward model used only for evaluation (eval/gold_scores); None to skip"""
+    trust_remote_code: bool = False
+    """allow models and tokenizers to run code from their repository"""
+    dataset_name: str = "assets/tiny/data"
+    """dataset with a `query` column of prompts: a local directory or a hub id"""
+    dataset_train_split: str = "train"
+    """split to train on"""
+    dataset_eval_split: str = "test"
+    """split to evaluate on"""
+    max_prompt_length: int = 64
+    """prompts longer than this many tokens keep their last max_prompt_length tokens"""
+    response_length: int = 16
+    """number of tokens to sample for each response"""
+    temperature: float = 0.7
+    """sampling temperature; training log-probabilities use the same temperature"""
+    stop_token: str = "eos"
+    """a response ends at its first stop token: `eos` for the tokenizer's EOS, or a string that is one token"""
+    missing_eos_penalty: float = -1.0
+    """added to the score of a response that has no stop token"""
+
+    total_episodes: int = 64_000
+    """number of sampled responses to train on"""
+    learning_rate: float = 2e-5
+    """AdamW learning rate, decayed linearly to zero"""
+    per_device_train_batch_size: int = 64
+    """responses per forward/backward pass on each device"""
+    gradient_accumulation_steps: int = 1
+    """micro-batches per optimizer step"""
+    num_mini_batches: int = 1
+    """optimizer steps per generation batch (the off-policy knob)"""
+    num_ppo_epochs: int = 1
+    """passes over each generation batch"""
+    kl_coef: float = 0.05
+    """weight of the KL to the reference in the reward"""
+    cliprange: float = 0.2
+    """clip range of the probability ratio"""
+    cliprange_value: float = 0.2
+    """clip range of the value update (around the values predicted at generation)"""
+    vf_coef: float = 0.1
+    """weight of the value loss"""
+    gamma: float = 1.0
+    """discount factor"""
+    lam: float = 0.95
+    """GAE lambda"""
+
+    deepspeed_config: str = "ds_configs/zero2.json"
+    """DeepSpeed JSON config (ZeRO stage, offload); batch sizes and precision are filled in here"""
+    bf16: bool = torch.cuda.is_available()
+    """train and generate in bfloat16 (default: on when a GPU is present)"""
+    gradient_checkpointing: bool = False
+    """recompute activations in the backward pass to save memory"""
+    eval_every: int = 20
+    """evaluate every this many updates (0: only at the end)"""
+    num_eval_prompts: int = 256
+    """held-out prompts for evaluation (greedy responses, proxy and gold scores)"""
+    save_every: int = 0
+    """save a checkpoint every this many updates (0: only at the end)"""
+    resume: Optional[str] = None
+    """checkpoint directory, or run directory (its latest checkpoint), to continue from"""
+    local_rank: int = 0
+    """set by the deepspeed launcher"""
+
+    # Filled in at run time.
+    world_size: int = 1
+    """(set at run time) number of processes"""
+    local_batch_size: int = 0
+    """(set at run time) responses per generation batch on each device"""
+    batch_size: int = 0
+    """(set at run time) responses per generation batch on all devices"""
+    mini_batch_size: int = 0
+    """(set at run time) responses per optimizer step on all devices"""
+    num_updates: int = 0
+    """(set at run time) number of generation batches"""
+
+
+def fail(argument, message):
+    """Bad input: one line on stderr naming the argument, exit code 2."""
+    print(f"error: --{argument.replace('_', '-')}: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def check_model_path(argument, path):
+    looks_like_hub_id = path.count("/") == 1 and not path.startswith((".", "/", "~"))
+    if not os.path.isdir(path) and not looks_like_hub_id:
+        fail(argument, f"no such directory: {path}")
+
+
+def validate(args):
+    """Check the arguments before any model is loaded; fill in the derived batch sizes."""
+    for name in ("per_device_train_batch_size", "gradient_accumulation_steps", "num_mini_batches",
+                 "num_ppo_epochs", "response_length", "max_prompt_length", "total_episodes", "num_eval_prompts"):
+        if getattr(args, name) < 1:
+            fail(name, f"must be at least 1, got {getattr(args, name)}")
+    for name in ("gamma", "lam"):
+        if not 0 <= getattr(args, name) <= 1:
+            fail(name, f"must be between 0 and 1, got {getattr(args, name)}")
+    for name in ("cliprange", "cliprange_value", "vf_coef"):
+        if getattr(args, name) <= 0:
+            fail(name, f"must be positive, got {getattr(args, name)}")
+    if args.temperature <= 0:
+        fail("temperature", f"must be positive, got {args.temperature}")
+    for name in ("eval_every", "save_every"):
+        if getattr(args, name) < 0:
+            fail(name, "must be 0 or more")
+    args.local_batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps * args.num_mini_batches
+    args.batch_size = args.local_batch_size * args.world_size
+    args.mini_batch_size = args.batch_size // args.num_mini_batches
+    args.num_updates = args.total_episodes // args.batch_size
+    if args.num_updates < 1:
+        fail("total_episodes", f"must be at least one batch of {args.batch_size} responses")
+    if not os.path.isfile(args.deepspeed_config):
+        fail("deepspeed_config", f"no such file: {args.deepspeed_config}")
+    check_model_path("sft_model_path", args.sft_model_path)
+    check_model_path("reward_model_path", args.reward_model_path)
+    if args.gold_reward_model_path is not None:
+        check_model_path("gold_reward_model_path", args.gold_reward_model_path)
+    if args.resume is not None and not os.path.isdir(args.resume):
+        fail("resume", f"no such directory: {args.resume}")
+    config = AutoConfig.from_pretrained(args.sft_model_path, trust_remote_code=args.trust_remote_code)
+    positions = getattr(config, "max_position_embeddings", None)
+    if positions is not None and args.max_prompt_length + args.response_length > positions:
+        fail("response_length", f"max_prompt_length + response_length = {args.max_prompt_length + args.response_length}"
+                                f" exceeds the model's {positions} positions")
+
+
+def load_prompts(args, tokenizer):
+    """Tokenised prompts of the train and eval splits (lists of token-id lists)."""
+    if not os.path.exists(args.dataset_name) and args.dataset_name.count("/") != 1:
+        fail("dataset_name", f"no such directory: {args.dataset_name}")
+    dataset = load_dataset(args.dataset_name)
+    splits = {}
+    for argument in ("dataset_train_split", "dataset_eval_split"):
+        split = getattr(args, argument)
+        if split not in dataset:
+            fail(argument, f"dataset {args.dataset_name} has no split {split!r} (it has {sorted(dataset)})")
+        if "query" not in dataset[split].column_names:
+            fail("dataset_name", f"split {split!r} has no `query` column (it has {dataset[split].column_names})")
+        ids = tokenizer(list(dataset[split]["query"]), add_special_tokens=False)["input_ids"]
+        splits[argument] = [q[-args.max_prompt_length:] for q in ids]
+    return splits["dataset_train_split"], splits["dataset_eval_split"]
+
+
+def load_tokenizer(path, trust_remote_code):
+    """A tokenizer with a pad token distinct from EOS (added when missing, as for Pythia)."""
+    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    if tokenizer.pad_token_id is None or tokenizer.pad_token_id == tokenizer.eos_token_id:
+        tokenizer.add_special_tokens({"pad_token": "[PAD]"})
+    return tokenizer
+
+
+def stop_token_id(args, tokenizer):
+    if args.stop_token == "eos":
+        if tokenizer.eos_token_id is None:
+            fail("stop_token", "the tokenizer has no EOS token; name a stop token")
+        return tokenizer.eos_token_id
+    ids = tokenizer.encode(args.stop_token, add_special_tokens=False)
+    if len(ids) != 1:
+        fail("stop_token", f"{args.stop_token!r} is not a single token of the tokenizer (it is {len(ids)} tokens)")
+    return ids[0]
+
+
+def prompt_batch(num_prompts, per_rank, update, seed, rank, world_size):
+    """This rank's prompt indices for generation batch `update`: shuffled epochs, no repeats within one."""
+    per_batch = per_rank * world_size
+    batches_per_epoch = num_prompts // per_batch
+    epoch, position = divmod(update, batches_per_epoch)
+    order = torch.randperm(num_prompts, generator=torch.Generator().manual_seed(seed + epoch)).tolist()
+    start = position * per_batch + rank * per_rank
+    return order[start: start + per_rank]
+
+
+def left_pad(sequences, pad_token_id, device):
+    width = max(len(s) for s in sequences)
+    out = torch.full((len(sequences), width), pad_token_id, dtype=torch.long)
+    for i, s in enumerate(sequences):
+        out[i, width - len(s):] = torch.tensor(s, dtype=torch.long)
+    return out.to(device)
+
+
+@torch.no_grad()
+def generate(model, queries, pad_token_id, stop_token_id, response_length, temperature=None):
+    """Sample (or, with temperature None, greedily decode) responses to left-padded queries."""
+    sampling = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) if temperature else dict(do_sample=False)
+    output = model.generate(
+        input_ids=queries, attention_mask=queries != pad_token_id, max_new_tokens=response_length,
+        eos_token_id=stop_token_id, pad_token_id=pad_token_id, **sampling,
+    )
+    return output[:, queries.shape[1]:]
+
+
+def truncate_response(responses, stop_token_id, pad_token_id):
+    """Replace everything after the first stop token (which stays), and from the first pad token, by padding."""
+    is_stop = responses == stop_token_id
+    after_stop = (is_stop.cumsum(1) - is_stop.long()) > 0
+    from_pad = (responses == pad_token_id).cumsum(1) > 0
+    return responses.masked_fill(after_stop | from_pad, pad_token_id)
+
+
+def forward(model, query_responses, pad_token_id):
+    """Run a model on left-padded queries followed by right-padded responses."""
+    attention_mask = query_responses != pad_token_id
+    position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
+    return model(input_ids=query_responses, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
+
+
+def response_logprobs(logits, responses, context_length, temperature):
+    """Log-probabilities of the response tokens under logits divided by the sampling temperature."""
+    logits = logits[:, context_length - 1: -1].float() / temperature
+    return torch.log_softmax(logits, dim=-1).gather(-1, responses.unsqueeze(-1)).squeeze(-1)
+
+
+def entropy_from_logits(logits):
+    logits = logits.float()
+    return torch.logsumexp(logits, -1) - (torch.softmax(logits, -1) * logits).sum(-1)
+
+
+@torch.no_grad()
+def reward_scores(model, query_responses, pad_token_id):
+    """One score per sequence, read at its last non-pad token."""
+    return forward(model, query_responses, pad_token_id).logits[:, 0].float()
+
+
+def apply_missing_eos_penalty(scores, responses, stop_token_id, penalty):
+    return scores + penalty * (~(responses == stop_token_id).any(1)).float()
+
+
+def value_forward(value_model, query_responses, pad_token_id, context_length):
+    """Per-token values: the value head applied to the hidden state before each response token.
+
+    The value model is a sequence classifier (its head is `score`); run without the pooling at
+    the last token, its head gives one value per position."""
+    module = value_model.module if isinstance(value_model, deepspeed.DeepSpeedEngine) else value_model
+    hidden = forward(getattr(module, module.base_model_prefix), query_responses, pad_token_id).last_hidden_state
+    return module.score(hidden[:, context_length - 1: -1]).squeeze(-1).float()
+
+
+def token_rewards(scores, logprobs, ref_logprobs, padding_mask, kl_coef):
+    """-kl_coef * (logp - logp_ref) at every response token; the score is added at the last one."""
+    rewards = (-kl_coef * (logprobs - ref_logprobs)).masked_fill(padding_mask, 0.0)
+    last = ((~padding_mask).sum(1) - 1).clamp(min=0)
+    rewards[torch.arange(len(rewards), device=rewards.device), last] += scores
+    return rewards
+
+
+def gae_advantages(rewards, values, padding_mask, gamma, lam):
+    """Generalised advantage estimation over the response tokens; returns (advantages, returns).
+
+    Rewards and values after the last token are zeroed, so an episode ends at its last token."""
+    rewards = rewards.masked_fill(padding_mask, 0.0)
+    values = values.masked_fill(padding_mask, 0.0)
+    advantages = torch.zeros_like(rewards)
+    running = torch.zeros_like(rewards[:, 0])
+    for t in reversed(range(rewards.shape[1])):
+        next_values = values[:, t + 1] if t + 1 < rewards.shape[1] else 0.0
+        delta = rewards[:, t] + gamma * next_values - values[:, t]
+        running = delta + gamma * lam * running
+        advantages[:, t] = running
+    return advantages, advantages + values
+
+
+def masked_whiten(values, mask):
+    """Shift to mean 0 and scale to variance 1 over the entries where mask is true."""
+    return (values - masked_mean(values, mask)) * torch.rsqrt(masked_var(values, mask) + 1e-8)
+
+
+def ppo_policy_loss(new_logprobs, old_logprobs, advantages, mask, cliprange):
+    """Clipped surrogate per token, averaged over response tokens; returns (loss, log_ratio, ratio, clipped)."""
+    log_ratio = new_logprobs - old_logprobs
+    ratio = torch.exp(log_ratio)
+    pg_losses = -advantages * ratio
+    pg_losses_clipped = -advantages * torch.clamp(ratio, 1.0 - cliprange, 1.0 + cliprange)
+    return masked_mean(torch.max(pg_losses, pg_losses_clipped), mask), log_ratio, ratio, pg_losses_clipped > pg_losses
+
+
+def ppo_value_loss(new_values, old_values, returns, mask, cliprange_value):
+    """Half the clipped squared error to the returns, averaged over response tokens; returns (loss, clipped)."""
+    clipped_values = old_values + torch.clamp(new_values - old_values, -cliprange_value, cliprange_value)
+    losses = (new_values - returns) ** 2
+    losses_clipped = (clipped_values - returns) ** 2
+    return 0.5 * masked_mean(torch.max(losses, losses_clipped), mask), losses_clipped > losses
+
+
+def masked_mean(values, mask):
+    return (values * mask).sum() / mask.sum().clamp(min=1)
+
+
+def masked_var(values, mask):
+    """Unbiased variance of the entries where mask is true."""
+    count = mask.sum()
+    return masked_mean((values - masked_mean(values, mask)) ** 2, mask) * count / (count - 1).clamp(min=1)
+
+
+def explained_variance(values, returns, mask):
+    """1 - Var(returns - values) / Var(returns) over response tokens: 1 when the values predict the
+    returns exactly, 0 when they predict no better than a constant."""
+    return 1 - masked_var(returns - values, mask) / masked_var(returns, mask).clamp(min=1e-8)
+
+
+def mean_over_ranks(stats):
+    """Average a dict of floats over all processes."""
+    values = torch.tensor(list(stats.values()), dtype=torch.float64)
+    dist.all_reduce(values)
+    return dict(zip(stats, (values / dist.get_world_size()).tolist()))
+
+
+@contextlib.contextmanager
+def unwrapped_for_generation(engine):
+    """The policy module for generate(); under ZeRO-3 its parameters are gathered once for the
+    whole call (DeepSpeed's helper), not layer by layer at every decoding step."""
+    if engine.zero_optimization_stage() == 3:
+        with unwrap_model_for_generation(engine):
+            yield engine.module
+    else:
+        yield engine.module
+
+
+@torch.no_grad()
+def evaluate(args, policy, reward_model, gold_model, eval_prompts, tokenizer, stop_id, device):
+    """Greedy responses to held-out prompts, scored by the reward model (and the gold model)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    prompts = eval_prompts[: args.num_eval_prompts][rank::world]
+    sums = torch.zeros(4, dtype=torch.float64)
+    samples = []
+    for start in range(0, len(prompts), args.per_device_train_batch_size):
+        queries = left_pad(prompts[start: start + args.per_device_train_batch_size], tokenizer.pad_token_id, device)
+        with unwrapped_for_generation(policy) as model:
+            responses = generate(model, queries, tokenizer.pad_token_id, stop_id, args.response_length)
+        responses = truncate_response(responses, stop_id, tokenizer.pad_token_id)
+        query_responses = torch.cat([queries, responses], 1)
+        scores = reward_scores(reward_model, query_responses, tokenizer.pad_token_id)
+        gold = reward_scores(gold_model, query_responses, tokenizer.pad_token_id) if gold_model else scores * 0
+        sums += torch.tensor([scores.sum(), gold.sum(), (responses != tokenizer.pad_token_id).sum(), len(scores)])
+        if not samples:
+            for q, r, s in zip(queries[:4], responses[:4], scores[:4]):
+                samples.append([tokenizer.decode(q, skip_special_tokens=True),
+                                tokenizer.decode(r, skip_special_tokens=True), round(s.item(), 3)])
+    dist.all_reduce(sums)
+    metrics = {"eval/scores": sums[0] / sums[3], "eval/response_length": sums[2] / sums[3]}
+    if gold_model is not None:
+        metrics["eval/gold_scores"] = sums[1] / sums[3]
+    return {k: v.item() for k, v in metrics.items()}, samples
+
+
+class SafeCheckpointEngine(TorchCheckpointEngine):
+    """DeepSpeed's checkpoint engine, but loading with weights_only=True so that a checkpoint cannot run code."""
+
+    def load(self, path, map_location=None):
+        from deepspeed.runtime.fp16.loss_scaler import LossScaler
+        from deepspeed.runtime.zero.config import ZeroStageEnum
+        from deepspeed.utils.tensor_fragment import fragment_address
+
+        with torch.serialization.safe_globals([LossScaler, ZeroStageEnum, fragment_address]):
+            return torch.load(path, map_location=map_location, weights_only=True)
+
+
+def save_checkpoint(args, run_dir, update, episode, engines, tokenizer):
+    """Write <run_dir>/checkpoint-<update>: every trained model as save_pretrained (the policy at the
+    top, any other, such as PPO's value model, in a subdirectory of its name) plus the full
+    training state in training_state/ (DeepSpeed's model, optimizer and scheduler state of each
+    engine, and every rank's RNG state).
+
+    Everything is written to a temporary directory first and renamed at the end, so an
+    interruption never leaves a half-written checkpoint behind."""
+    final = os.path.join(run_dir, f"checkpoint-{update}")
+    tmp = final + ".tmp"
+    if dist.get_rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+    dist.barrier()
+    for name, engine in engines.items():
+        engine.save_checkpoint(os.path.join(tmp, "training_state"), tag=name, save_latest=False)
+        with deepspeed.zero.GatheredParameters(list(engine.module.parameters()),
+                                               enabled=engine.zero_optimization_stage() == 3):
+            if dist.get_rank() == 0:
+                engine.module.save_pretrained(tmp if name == "policy" else os.path.join(tmp, name))
+    torch.save({"torch": torch.get_rng_state(), "accelerator": get_accelerator().get_rng_state()},
+               os.path.join(tmp, "training_state", f"rng_rank{dist.get_rank()}.pt"))
+    if dist.get_rank() == 0:
+        tokenizer.save_pretrained(tmp)
+        with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
+            json.dump({"update": update, "episode": episode, "args": asdict(args)}, f, indent=1)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+    dist.barrier()
+
+
+def latest_checkpoint(path):
+    """`path` if it is a checkpoint, else the checkpoint of `path` with the highest update."""
+    if os.path.isfile(os.path.join(path, "trainer_state.json")):
+        return path
+    updates = [int(d.split("-")[1]) for d in os.listdir(path) if d.startswith("checkpoint-") and d[11:].isdigit()]
+    if not updates:
+        fail("resume", f"no checkpoint in {path}")
+    return os.path.join(path, f"checkpoint-{max(updates)}")
+
+
+def load_checkpoint(checkpoint, engines):
+    """Restore the training state written by save_checkpoint; returns (update, episode)."""
+    for name, engine in engines.items():
+        engine.checkpoint_engine = SafeCheckpointEngine()
+        engine.load_checkpoint(os.path.join(checkpoint, "training_state"), tag=name)
+    rng = torch.load(os.path.join(checkpoint, "training_state", f"rng_rank{dist.get_rank()}.pt"), weights_only=True)
+    torch.set_rng_state(rng["torch"])
+    get_accelerator().set_rng_state(rng["accelerator"])
+    with open(os.path.join(checkpoint, "trainer_state.json")) as f:
+        state = json.load(f)
+    return state["update"], state["episode"]
+
+
+def init_distributed():
+    """Join the process group; a plain `python` launch is a group of one."""
+    if "RANK" not in os.environ:
+        with socket.socket() as s:  # a free port, so several single-process runs can share a machine
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
+
+
+def ds_config(args, train):
+    with open(args.deepspeed_config) as f:
+        config = json.load(f)
+    config.update(train_micro_batch_size_per_gpu=args.per_device_train_batch_size,
+                  gradient_accumulation_steps=args.gradient_accumulation_steps if train else 1,
+                  bf16={"enabled": args.bf16})
+    if not train:  # frozen models: partitioned under ZeRO-3, replicated otherwise; no optimizer state
+        stage = config["zero_optimization"]["stage"]
+        config = {k: v for k, v in config.items() if k not in ("zero_optimization", "gradient_clipping")}
+        config["zero_optimization"] = {"stage": 3 if stage == 3 else 0}
+    return config
+
+
+def disable_dropout(model):
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+
+
+if __name__ == "__main__":
+    args = tyro.cli(Args)
+    args.world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    validate(args)
+    init_distributed()
+    rank = dist.get_rank()
+    device = torch.device(get_accelerator().device_name(args.local_rank))
+    if torch.cuda.is_available():
+        torch.cuda.set_device(device)
+    torch.manual_seed(args.seed + rank)  # each rank samples different responses
+
+    # Tokenizer, data and stop token are checked before any model is loaded.
+    tokenizer = load_tokenizer(args.sft_model_path, args.trust_remote_code)
+    stop_id = stop_token_id(args, tokenizer)
+    train_prompts, eval_prompts = load_prompts(args, tokenizer)
+    prompts_per_rank = args.local_batch_size
+    if len(train_prompts) < prompts_per_rank * args.world_size:
+        fail("per_device_train_batch_size", f"a batch needs {prompts_per_rank * args.world_size} prompts; "
+                                            f"the train split has {len(train_prompts)}")
+    if load_tokenizer(args.reward_model_path, args.trust_remote_code).get_vocab() != tokenizer.get_vocab():
+        fail("reward_model_path", "the reward model's tokenizer differs from the policy's")
+
+    run_dir = os.path.dirname(os.path.abspath(latest_checkpoint(args.resume))) if args.resume else None
+    run_name = os.path.basename(run_dir) if run_dir else f"{args.exp_name}__{args.seed}__{int(time.time())}"
+    run_name = [run_name]
+    dist.broadcast_object_list(run_name, src=0)  # every rank uses rank 0's clock
+    run_dir = run_dir or os.path.join(os.path.abspath(args.output_dir), run_name[0])
+
+    # Models. Dropout is off: it would make the log-probabilities of the same tokens disagree.
+    dtype = torch.bfloat16 if args.bf16 else torch.float32
+    load = dict(dtype=dtype, trust_remote_code=args.trust_remote_code)
+    policy = AutoModelForCausalLM.from_pretrained(args.sft_model_path, **load)
+    ref_policy = AutoModelForCausalLM.from_pretrained(args.sft_model_path, **load)
+    reward_model = AutoModelForSequenceClassification.from_pretrained(args.reward_model_path, num_labels=1, **load)
+    value_model = AutoModelForSequenceClassification.from_pretrained(args.reward_model_path, num_labels=1, **load)
+    gold_model = None
+    if args.gold_reward_model_path:
+        gold_model = AutoModelForSequenceClassification.from_pretrained(args.gold_reward_model_path, num_labels=1, **load)
+    for model in (policy, ref_policy, reward_model, value_model, gold_model):
+        if model is not None:
+            disable_dropout(model)
+            model.config.pad_token_id = tokenizer.pad_token_id
+            if len(tokenizer) > model.get_input_embeddings().num_embeddings:  # room for an added pad token
+                model.resize_token_embeddings(len(tokenizer))
+    policy.generation_config.pad_token_id = tokenizer.pad_token_id
+    if args.gradient_checkpointing:
+        policy.gradient_checkpointing_enable()
+        value_model.gradient_checkpointing_enable()
+
+    # DeepSpeed engines: the policy and the value model train (two engines, each with its own
+    # AdamW and schedule); the reference and reward models only run forward.
+    config = ds_config(args, train=True)
+    offload = config["zero_optimization"].get("offload_optimizer", {}).get("device", "none") != "none"
+    adam = deepspeed.ops.adam.DeepSpeedCPUAdam if offload else torch.optim.AdamW
+    num_steps = args.num_updates * args.num_mini_batches * args.num_ppo_epochs
+    trained = []
+    for model in (policy, value_model):
+        optimizer = adam(model.parameters(), lr=args.learning_rate, eps=1e-5, weight_decay=0.0)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 - step / num_steps)
+        trained.append(deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler, config=config)[0])
+    policy, value_model = trained
+    frozen = [deepspeed.initialize(model=m.eval(), config=ds_config(args, train=False))[0] if m is not None else None
+              for m in (ref_policy, reward_model, gold_model)]
+    ref_policy, reward_model, gold_model = frozen
+
+    start_update, episode = 0, 0
+    if args.resume:
+        start_update, episode = load_checkpoint(latest_checkpoint(args.resume), {"policy": policy, "value_model": value_model})
+
+    # Tracking: metrics.jsonl always (rank 0), wandb with --track.
+    metrics_path = os.path.join(run_dir, "metrics.jsonl")
+    if rank == 0:
+        os.makedirs(run_dir, exist_ok=True)
+        if args.resume and os.path.exists(metrics_path):  # drop what was logged after the checkpoint
+            with open(metrics_path) as f:
+                kept = [line for line in f if json.loads(line)["update"] <= start_update]
+            with open(metrics_path, "w") as f:
+                f.writelines(kept)
+        if args.track:
+            import wandb
+
+            wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, name=run_name[0], id=run_name[0],
+                       config=asdict(args), resume="allow" if args.resume else None, save_code=True)
+        print(f"run {run_dir}: {args.num_updates} updates of {args.batch_size} responses "
+              "(one per prompt)", flush=True)
+
+    def log(update, metrics, samples=None):
+        if rank != 0:
+            return
+        with open(metrics_path, "a") as f:
+            f.write(json.dumps({"update": update, **metrics}) + "\n")
+        if args.track:
+            wandb.log(metrics, step=metrics["episode"])
+            if samples:
+                wandb.log({"eval/samples": wandb.Table(columns=["query", "response", "score"], data=samples)},
+                          step=metrics["episode"])
+
+    pad = tokenizer.pad_token_id
+    progress = tqdm(total=args.num_updates * args.batch_size, initial=episode, unit="ep", disable=rank != 0)
+    if not args.resume:  # the curves start from the SFT policy
+        eval_metrics, samples = evaluate(args, policy, reward_model, gold_model, eval_prompts, tokenizer, stop_id, device)
+        log(0, {**eval_metrics, "episode": 0}, samples)
+    start_time, start_episode = time.time(), episode
+    for update in range(start_update + 1, args.num_updates + 1):
+        # 1. Generate k responses per prompt with the current policy.
+        t0 = time.time()
+        indices = prompt_batch(len(train_prompts), prompts_per_rank, update - 1, args.seed, rank, args.world_size)
+        queries = left_pad([train_prompts[i] for i in indices], pad, device)
+        context_length = queries.shape[1]
+        with unwrapped_for_generation(policy) as model:
+            responses = generate(model, queries, pad, stop_id, args.response_length, args.temperature)
+        responses = truncate_response(responses, stop_id, pad)
+        query_responses = torch.cat([queries, responses], 1)
+        padding_mask = responses == pad  # everything after the response
+        t1 = time.time()
+
+        # 2. Score: log-probabilities under the policy and the reference, values, reward-model scores.
+        logprobs, ref_logprobs, values, scores = [], [], [], []
+        with torch.no_grad():
+            for i in range(0, len(query_responses), args.per_device_train_batch_size):
+                chunk = query_responses[i: i + args.per_device_train_batch_size]
+                chunk_responses = chunk[:, context_length:]
+                logprobs.append(response_logprobs(forward(policy, chunk, pad).logits, chunk_responses,
+                                                  context_length, args.temperature))
+                ref_logprobs.append(response_logprobs(forward(ref_policy, chunk, pad).logits, chunk_responses,
+                                                      context_length, args.temperature))
+                values.append(value_forward(value_model, chunk, pad, context_length))
+                scores.append(reward_scores(reward_model, chunk, pad))
+        logprobs = torch.cat(logprobs).masked_fill(padding_mask, 0.0)
+        ref_logprobs = torch.cat(ref_logprobs).masked_fill(padding_mask, 0.0)
+        values = torch.cat(values).masked_fill(padding_mask, 0.0)
+        raw_scores = torch.cat(scores)
+        scores = apply_missing_eos_penalty(raw_scores, responses, stop_id, args.missing_eos_penalty)
+
+        # 3. Per-token rewards, GAE advantages (whitened) and returns (not whitened).
+        kl = (logprobs - ref_logprobs).sum(1)
+        rewards = token_rewards(scores, logprobs, ref_logprobs, padding_mask, args.kl_coef)
+        advantages, returns = gae_advantages(rewards, values, padding_mask, args.gamma, args.lam)
+        advantages = masked_whiten(advantages, ~padding_mask).masked_fill(padding_mask, 0.0)
+        non_score_reward = -args.kl_coef * kl
+        rlhf_reward = scores + non_score_reward
+        t2 = time.time()
+
+        # 4. PPO updates of the policy and the value model over mini-batches of this generation batch.
+        stats = {name: [] for name in ("loss", "value_loss", "approxkl", "clipfrac", "value_clipfrac", "ratio",
+                                       "entropy")}
+        local_mini_batch = args.local_batch_size // args.num_mini_batches
+        for _ in range(args.num_ppo_epochs):
+            order = torch.randperm(args.local_batch_size, device=device)
+            for mb_start in range(0, args.local_batch_size, local_mini_batch):
+                for mc_start in range(mb_start, mb_start + local_mini_batch, args.per_device_train_batch_size):
+                    idx = order[mc_start: mc_start + args.per_device_train_batch_size]
+                    mask = ~padding_mask[idx]
+                    output = forward(policy, query_responses[idx], pad)
+                    new_logprobs = response_logprobs(output.logits, responses[idx], context_length, args.temperature)
+                    new_logprobs = new_logprobs.masked_fill(padding_mask[idx], 0.0)
+                    loss, log_ratio, ratio, clipped = ppo_policy_loss(new_logprobs, logprobs[idx], advantages[idx],
+                                                                      mask, args.cliprange)
+                    new_values = value_forward(value_model, query_responses[idx], pad, context_length)
+                    value_loss, value_clipped = ppo_value_loss(new_values, values[idx], returns[idx], mask,
+                                                               args.cliprange_value)
+                    policy.backward(loss)
+                    value_model.backward(args.vf_coef * value_loss)
+                    policy.step()
+                    value_model.step()
+                    with torch.no_grad():
+                        entropy = entropy_from_logits(output.logits[:, context_length - 1: -1] / args.temperature)
+                        stats["loss"].append(loss)
+                        stats["value_loss"].append(value_loss)
+                        stats["approxkl"].append(0.5 * masked_mean(log_ratio ** 2, mask))
+                        stats["clipfrac"].append(masked_mean(clipped.float(), mask))
+                        stats["value_clipfrac"].append(masked_mean(value_clipped.float(), mask))
+                        stats["ratio"].append(masked_mean(ratio, mask))
+                        stats["entropy"].append(masked_mean(entropy, mask))
+        t3 = time.time()
+
+        # 5. Log, evaluate, save.
+        episode += args.batch_size
+        progress.update(args.batch_size)
+        mean = {name: torch.stack(per_step).mean().item() for name, per_step in stats.items()}
+        metrics = mean_over_ranks({
+            "objective/scores": scores.mean().item(),
+            "objective/raw_scores": raw_scores.mean().item(),
+            "objective/kl": kl.mean().item(),
+            "objective/non_score_reward": non_score_reward.mean().item(),
+            "objective/rlhf_reward": rlhf_reward.mean().item(),
+            "objective/entropy": (-logprobs).sum(1).mean().item(),
+            "policy/entropy_avg": mean["entropy"],
+            "loss/policy_avg": mean["loss"],
+            "loss/value_avg": mean["value_loss"],
+            "policy/approxkl_avg": mean["approxkl"],
+            "policy/clipfrac_avg": mean["clipfrac"],
+            "val/clipfrac_avg": mean["value_clipfrac"],
+            "val/ratio": mean["ratio"],
+            "val/ratio_var": torch.stack(stats["ratio"]).var().item() if len(stats["ratio"]) > 1 else 0.0,
+            "val/explained_variance": explained_variance(values, returns, ~padding_mask).item(),
+            "val/num_eos_tokens": (responses == stop_id).sum().item() * args.world_size,
+            "val/response_length": (~padding_mask).sum(1).float().mean().item(),
+            "time/generation": t1 - t0,
+            "time/scoring": t2 - t1,
+            "time/training": t3 - t2,
+        })
+        metrics.update(lr=policy.get_lr()[0], episode=episode, eps=(episode - start_episode) / (time.time() - start_time))
+        samples = None
+        if (args.eval_every and update % args.eval_every == 0) or update == args.num_updates:
+            eval_metrics, samples = evaluate(args, policy, reward_model, gold_model, eval_prompts, tokenizer, stop_id, device)
+            metrics.update(eval_metrics)
+            if rank == 0:
+                tqdm.write(f"update {update}: " + ", ".join(f"{k} {v:.3f}" for k, v in eval_metrics.items()))
+                for query, response, score in samples[:2]:
+                    tqdm.write(f"  {query!r} -> {response!r} (score {score})")
+        log(update, metrics, samples)
+        progress.set_postfix(score=f"{metrics['objective/scores']:.3f}", kl=f"{metrics['objective/kl']:.2f}",
+                             eps=f"{metrics['eps']:.0f}")
+        if (args.save_every and update % args.save_every == 0) or update == args.num_updates:
+            save_checkpoint(args, run_dir, update, episode, {"policy": policy, "value_model": value_model}, tokenizer)
+
+    progress.close()
+    if rank == 0 and args.track:
+        wandb.finish()
+    dist.barrier()
+    dist.destroy_process_group()
