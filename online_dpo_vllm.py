@@ -1,0 +1,876 @@
+"""Asynchronous online DPO: vLLM generates the next batch while the learner trains on this one.
+
+The algorithm is online_dpo.py's: for every prompt the policy samples k responses, a reward model
+scores them, the best and the worst form a pair, and the loss is DPO's -log sigmoid(beta * margin)
+(or IPO's) on the sequence log-probability margin relative to the frozen SFT reference. What
+changes is who generates and when (Noukhovitch et al. 2025, "Asynchronous RLHF: Faster and More
+Efficient Off-Policy RL for Language Models", arXiv 2410.18252): a vLLM engine on rank 0, in its
+own process and on its own device, generates batch t+1 with the policy's weights of K updates ago
+while the learner trains on batch t. After each update the learner hands its weights to vLLM.
+Every batch carries the policy version that generated it; `async/staleness` logs how many
+updates old the policy behind each trained batch was (K, or fewer for the first K batches).
+`--sync` makes the same script on-policy: generation and training take turns.
+
+    python online_dpo_vllm.py                          # the offline tiny task, vLLM on a CPU core
+    python online_dpo_vllm.py --sync                   # the same, on-policy
+    python online_dpo_vllm.py --help                   # every argument
+    deepspeed --num_gpus 3 online_dpo_vllm.py --deepspeed-config ds_configs/zero3.json \\
+        --sft-model-path ... --reward-model-path ... --dataset-name ...   # vLLM on a 4th GPU
+"""
+
+import atexit
+import contextlib
+import json
+import os
+import queue
+import shutil
+import signal
+import socket
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import asdict, dataclass
+from typing import Optional
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")  # must be set before deepspeed is imported
+
+import deepspeed
+import torch.distributed as dist
+import torch.nn.functional as F
+import tyro
+from datasets import load_dataset
+from deepspeed.accelerator import get_accelerator
+from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
+from deepspeed.runtime.zero.stage3 import unwrap_model_for_generation
+from tqdm import tqdm
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+
+
+@dataclass
+class Args:
+    exp_name: str = os.path.basename(__file__)[: -len(".py")]
+    """name of this experiment, the first part of the run name"""
+    seed: int = 1
+    """random seed"""
+    track: bool = False
+    """log to Weights & Biases (set WANDB_MODE=offline to log without a network)"""
+    wandb_project_name: str = "async-rlhf"
+    """wandb project"""
+    wandb_entity: Optional[str] = None
+    """wandb entity (team or user)"""
+    output_dir: str = "runs"
+    """each run writes metrics.jsonl and checkpoints to <output_dir>/<run name>/"""
+
+    sft_model_path: str = "assets/tiny/sft"
+    """policy and reference model: a local directory or a hub id"""
+    reward_model_path: str = "assets/tiny/reward"
+    """reward model (AutoModelForSequenceClassification with one label) used for training"""
+    gold_reward_model_path: Optional[str] = "assets/tiny/gold_reward"
+    """optional reward model used only for evaluation (eval/gold_scores); None to skip"""
+    trust_remote_code: bool = False
+    """allow models and tokenizers to run code from their repository"""
+    dataset_name: str = "assets/tiny/data"
+    """dataset with a `query` column of prompts: a local directory or a hub id"""
+    dataset_train_split: str = "train"
+    """split to train on"""
+    dataset_eval_split: str = "test"
+    """split to evaluate on"""
+    max_prompt_length: int = 64
+    """prompts longer than this many tokens keep their last max_prompt_length tokens"""
+    response_length: int = 16
+    """number of tokens to sample for each response"""
+    temperature: float = 0.7
+    """sampling temperature; training log-probabilities use the same temperature"""
+    stop_token: str = "eos"
+    """a response ends at its first stop token: `eos` for the tokenizer's EOS, or a string that is one token"""
+    missing_eos_penalty: float = -1.0
+    """added to the score of a response that has no stop token"""
+
+    total_episodes: int = 64_000
+    """number of sampled responses to train on"""
+    learning_rate: float = 2e-5
+    """AdamW learning rate, decayed linearly to zero"""
+    per_device_train_batch_size: int = 64
+    """responses per forward/backward pass on each device"""
+    gradient_accumulation_steps: int = 1
+    """micro-batches per optimizer step"""
+    num_mini_batches: int = 1
+    """optimizer steps per generation batch (the off-policy knob)"""
+    num_ppo_epochs: int = 1
+    """passes over each generation batch"""
+    k: int = 2
+    """responses sampled per prompt"""
+    beta: float = 0.1
+    """strength of the implicit KL constraint to the reference (DPO's beta)"""
+    loss_type: str = "sigmoid"
+    """`sigmoid` (DPO) or `ipo` (IPO)"""
+    off_policy_steps: int = 1
+    """K: each batch is generated by the policy of K updates before the one it trains (the generator runs K ahead)"""
+    sync: bool = False
+    """on-policy: generate each batch with the newest policy, taking turns with training (for comparison)"""
+    vllm_gpu: Optional[int] = None
+    """GPU for vLLM (physical index); default: the first GPU no training rank uses, else rank 0's GPU"""
+    vllm_gpu_memory_utilization: float = 0.9
+    """share of its GPU's memory vLLM may take for weights and KV cache (lower it when it shares a training GPU)"""
+    vllm_cpu_cores: int = 1
+    """without a GPU: CPU cores for vLLM (the learner keeps the others)"""
+    generation_timeout: float = 600.0
+    """seconds the learner waits for a batch (and the generator for weights) before stopping with an error"""
+
+    deepspeed_config: str = "ds_configs/zero2.json"
+    """DeepSpeed JSON config (ZeRO stage, offload); batch sizes and precision are filled in here"""
+    bf16: bool = torch.cuda.is_available()
+    """train and generate in bfloat16 (default: on when a GPU is present)"""
+    gradient_checkpointing: bool = False
+    """recompute activations in the backward pass to save memory"""
+    eval_every: int = 20
+    """evaluate every this many updates (0: only at the end)"""
+    num_eval_prompts: int = 256
+    """held-out prompts for evaluation (greedy responses, proxy and gold scores)"""
+    save_every: int = 0
+    """save a checkpoint every this many updates (0: only at the end)"""
+    resume: Optional[str] = None
+    """checkpoint directory, or run directory (its latest checkpoint), to continue from"""
+    local_rank: int = 0
+    """set by the deepspeed launcher"""
+
+    # Filled in at run time.
+    world_size: int = 1
+    """(set at run time) number of processes"""
+    local_batch_size: int = 0
+    """(set at run time) responses per generation batch on each device"""
+    batch_size: int = 0
+    """(set at run time) responses per generation batch on all devices"""
+    mini_batch_size: int = 0
+    """(set at run time) responses per optimizer step on all devices"""
+    num_updates: int = 0
+    """(set at run time) number of generation batches"""
+
+
+def fail(argument, message):
+    """Bad input: one line on stderr naming the argument, exit code 2."""
+    print(f"error: --{argument.replace('_', '-')}: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def check_model_path(argument, path):
+    looks_like_hub_id = path.count("/") == 1 and not path.startswith((".", "/", "~"))
+    if not os.path.isdir(path) and not looks_like_hub_id:
+        fail(argument, f"no such directory: {path}")
+
+
+def validate(args):
+    """Check the arguments before any model is loaded; fill in the derived batch sizes."""
+    for name in ("per_device_train_batch_size", "gradient_accumulation_steps", "num_mini_batches",
+                 "num_ppo_epochs", "response_length", "max_prompt_length", "total_episodes", "num_eval_prompts"):
+        if getattr(args, name) < 1:
+            fail(name, f"must be at least 1, got {getattr(args, name)}")
+    if args.k < 2:
+        fail("k", f"a pair needs at least 2 responses per prompt, got {args.k}")
+    if args.per_device_train_batch_size % args.k:
+        fail("k", f"must divide --per-device-train-batch-size ({args.per_device_train_batch_size}): "
+                  "a micro-batch holds whole prompts")
+    if args.beta <= 0:
+        fail("beta", f"must be positive, got {args.beta}")
+    if args.loss_type not in ("sigmoid", "ipo"):
+        fail("loss_type", f"must be sigmoid or ipo, got {args.loss_type!r}")
+    if args.off_policy_steps < 1:
+        fail("off_policy_steps", f"must be at least 1 (use --sync for on-policy), got {args.off_policy_steps}")
+    if args.generation_timeout <= 0:
+        fail("generation_timeout", f"must be positive, got {args.generation_timeout}")
+    if not 0 < args.vllm_gpu_memory_utilization <= 1:
+        fail("vllm_gpu_memory_utilization", f"must be in (0, 1], got {args.vllm_gpu_memory_utilization}")
+    if not torch.cuda.is_available() and not 1 <= args.vllm_cpu_cores < len(os.sched_getaffinity(0)):
+        fail("vllm_cpu_cores", f"must leave the learner at least one of this machine's "
+                               f"{len(os.sched_getaffinity(0))} cores, got {args.vllm_cpu_cores}")
+    if args.temperature <= 0:
+        fail("temperature", f"must be positive, got {args.temperature}")
+    for name in ("eval_every", "save_every"):
+        if getattr(args, name) < 0:
+            fail(name, "must be 0 or more")
+    args.local_batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps * args.num_mini_batches
+    args.batch_size = args.local_batch_size * args.world_size
+    args.mini_batch_size = args.batch_size // args.num_mini_batches
+    args.num_updates = args.total_episodes // args.batch_size
+    if args.num_updates < 1:
+        fail("total_episodes", f"must be at least one batch of {args.batch_size} responses")
+    if not os.path.isfile(args.deepspeed_config):
+        fail("deepspeed_config", f"no such file: {args.deepspeed_config}")
+    check_model_path("sft_model_path", args.sft_model_path)
+    check_model_path("reward_model_path", args.reward_model_path)
+    if args.gold_reward_model_path is not None:
+        check_model_path("gold_reward_model_path", args.gold_reward_model_path)
+    if args.resume is not None and not os.path.isdir(args.resume):
+        fail("resume", f"no such directory: {args.resume}")
+    config = AutoConfig.from_pretrained(args.sft_model_path, trust_remote_code=args.trust_remote_code)
+    positions = getattr(config, "max_position_embeddings", None)
+    if positions is not None and args.max_prompt_length + args.response_length > positions:
+        fail("response_length", f"max_prompt_length + response_length = {args.max_prompt_length + args.response_length}"
+                                f" exceeds the model's {positions} positions")
+
+
+def load_prompts(args, tokenizer):
+    """Tokenised prompts of the train and eval splits (lists of token-id lists)."""
+    if not os.path.exists(args.dataset_name) and args.dataset_name.count("/") != 1:
+        fail("dataset_name", f"no such directory: {args.dataset_name}")
+    dataset = load_dataset(args.dataset_name)
+    splits = {}
+    for argument in ("dataset_train_split", "dataset_eval_split"):
+        split = getattr(args, argument)
+        if split not in dataset:
+            fail(argument, f"dataset {args.dataset_name} has no split {split!r} (it has {sorted(dataset)})")
+        if "query" not in dataset[split].column_names:
+            fail("dataset_name", f"split {split!r} has no `query` column (it has {dataset[split].column_names})")
+        ids = tokenizer(list(dataset[split]["query"]), add_special_tokens=False)["input_ids"]
+        splits[argument] = [q[-args.max_prompt_length:] for q in ids]
+    return splits["dataset_train_split"], splits["dataset_eval_split"]
+
+
+def load_tokenizer(path, trust_remote_code):
+    """A tokenizer with a pad token distinct from EOS (added when missing, as for Pythia)."""
+    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    if tokenizer.pad_token_id is None or tokenizer.pad_token_id == tokenizer.eos_token_id:
+        tokenizer.add_special_tokens({"pad_token": "[PAD]"})
+    return tokenizer
+
+
+def stop_token_id(args, tokenizer):
+    if args.stop_token == "eos":
+        if tokenizer.eos_token_id is None:
+            fail("stop_token", "the tokenizer has no EOS token; name a stop token")
+        return tokenizer.eos_token_id
+    ids = tokenizer.encode(args.stop_token, add_special_tokens=False)
+    if len(ids) != 1:
+        fail("stop_token", f"{args.stop_token!r} is not a single token of the tokenizer (it is {len(ids)} tokens)")
+    return ids[0]
+
+
+def prompt_batch(num_prompts, per_rank, update, seed, rank, world_size):
+    """This rank's prompt indices for generation batch `update`: shuffled epochs, no repeats within one."""
+    per_batch = per_rank * world_size
+    batches_per_epoch = num_prompts // per_batch
+    epoch, position = divmod(update, batches_per_epoch)
+    order = torch.randperm(num_prompts, generator=torch.Generator().manual_seed(seed + epoch)).tolist()
+    start = position * per_batch + rank * per_rank
+    return order[start: start + per_rank]
+
+
+def left_pad(sequences, pad_token_id, device):
+    width = max(len(s) for s in sequences)
+    out = torch.full((len(sequences), width), pad_token_id, dtype=torch.long)
+    for i, s in enumerate(sequences):
+        out[i, width - len(s):] = torch.tensor(s, dtype=torch.long)
+    return out.to(device)
+
+
+@torch.no_grad()
+def generate(model, queries, pad_token_id, stop_token_id, response_length, temperature=None):
+    """Sample (or, with temperature None, greedily decode) responses to left-padded queries."""
+    sampling = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) if temperature else dict(do_sample=False)
+    output = model.generate(
+        input_ids=queries, attention_mask=queries != pad_token_id, max_new_tokens=response_length,
+        eos_token_id=stop_token_id, pad_token_id=pad_token_id, **sampling,
+    )
+    return output[:, queries.shape[1]:]
+
+
+def vllm_gpu_index(args):
+    """Physical index of vLLM's GPU: --vllm-gpu, else the first GPU that no training rank uses (the
+    paper's placement), else rank 0's GPU (shared; lower --vllm-gpu-memory-utilization then)."""
+    if args.vllm_gpu is not None:
+        return args.vllm_gpu
+    import pynvml  # counts every GPU of the machine, also those CUDA_VISIBLE_DEVICES hides
+
+    pynvml.nvmlInit()
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    physical = [int(i) for i in visible.split(",")] if visible else list(range(pynvml.nvmlDeviceGetCount()))
+    training = physical[: int(os.environ.get("LOCAL_WORLD_SIZE", "1"))]
+    spare = [i for i in range(pynvml.nvmlDeviceGetCount()) if i not in training]
+    return spare[0] if spare else training[0]
+
+
+def start_vllm(args, model_path):
+    """A vLLM engine for `model_path`, running in its own process (vLLM's default) on its own device.
+
+    The engine process reads CUDA_VISIBLE_DEVICES (GPU) or VLLM_CPU_OMP_THREADS_BIND (CPU cores)
+    when it starts, so they are set around its construction and restored after."""
+    from vllm import LLM
+
+    engine_args = dict(model=model_path, dtype="bfloat16" if args.bf16 else "float32", seed=args.seed,
+                       max_model_len=args.max_prompt_length + args.response_length,
+                       trust_remote_code=args.trust_remote_code)
+    if torch.cuda.is_available():
+        env = {"CUDA_VISIBLE_DEVICES": str(vllm_gpu_index(args))}
+        engine_args["gpu_memory_utilization"] = args.vllm_gpu_memory_utilization
+    else:
+        cores = sorted(os.sched_getaffinity(0))[-args.vllm_cpu_cores:]
+        env = {"VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, cores))}
+        # vLLM on CPU would otherwise reserve most of the machine's memory for its KV cache; one
+        # generation batch needs keys and values of every layer for each of its sequences.
+        config = AutoConfig.from_pretrained(model_path, trust_remote_code=args.trust_remote_code)
+        per_token = 2 * config.num_hidden_layers * config.hidden_size * (2 if args.bf16 else 4)
+        engine_args["kv_cache_memory_bytes"] = max(2 * per_token * args.batch_size * engine_args["max_model_len"],
+                                                   64 * 2**20)
+    saved = {name: os.environ.get(name) for name in env}
+    os.environ.update(env)
+    try:
+        return LLM(**engine_args)
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name)
+            else:
+                os.environ[name] = value
+
+
+def vllm_generate(llm, prompts, k, response_length, stop_token_id, temperature, seed):
+    """k responses to each prompt from vLLM; sample j of prompt i is at index j * len(prompts) + i.
+
+    Each request has its own seed (seed + its index), so a batch depends on the weights and the
+    seed only, not on what vLLM generated before (which keeps resumed runs exact). Temperature 0
+    is greedy decoding. Like generate(), only the stop token ends a response, and it is kept."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    requests = [TokensPrompt(prompt_token_ids=prompt) for _ in range(k) for prompt in prompts]
+    sampling = [SamplingParams(temperature=temperature, top_k=0, top_p=1.0, max_tokens=response_length,
+                               ignore_eos=True, stop_token_ids=[stop_token_id], seed=seed + i)
+                for i in range(len(requests))]
+    return [list(output.outputs[0].token_ids) for output in llm.generate(requests, sampling, use_tqdm=False)]
+
+
+def right_pad(sequences, pad_token_id, device):
+    width = max(1, max(len(s) for s in sequences))
+    out = torch.full((len(sequences), width), pad_token_id, dtype=torch.long)
+    for i, s in enumerate(sequences):
+        out[i, : len(s)] = torch.tensor(s, dtype=torch.long)
+    return out.to(device)
+
+
+class Generator:
+    """vLLM on rank 0, generating in a background thread while the learner trains.
+
+    The engine runs in its own process, so generation and training overlap; this thread only
+    feeds it. Batch `update` is generated by policy version max(first_version, update - 1 - lag),
+    where version v is the policy after v updates: lag is --off-policy-steps, or 0 with --sync
+    (generation then waits for the newest policy, and the two take turns). The learner hands each
+    version over with publish() and takes the batches, in order, with get(). Every wait is
+    bounded by --generation-timeout, and an error in the generator is raised in the learner."""
+
+    def __init__(self, args, llm, weights_dir, train_prompts, prompts_per_rank, stop_id, first_version, lag):
+        self.args, self.llm, self.weights_dir, self.stop_id, self.lag = args, llm, weights_dir, stop_id, lag
+        self.train_prompts, self.prompts_per_rank, self.first_version = train_prompts, prompts_per_rank, first_version
+        self.batches, self.versions = queue.Queue(), queue.Queue()
+        self.error = None
+        self.stopping = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="generator", daemon=True)
+        self.thread.start()
+
+    def publish(self, version, weights_path):
+        self.versions.put((version, weights_path))
+
+    def get(self):
+        """The next batch: (policy version, responses of each rank, generation seconds, weight-reload seconds)."""
+        return self._wait(self.batches, "a generation batch")
+
+    def close(self):
+        """Stop the thread and the engine and delete the handed-over weights (safe to call twice)."""
+        self.stopping.set()
+        self.llm.llm_engine.engine_core.shutdown(timeout=30)  # a generate() in progress fails and returns
+        self.thread.join(timeout=30)
+        shutil.rmtree(self.weights_dir, ignore_errors=True)
+
+    def _wait(self, source, what):
+        deadline = time.time() + self.args.generation_timeout
+        while True:
+            try:
+                return source.get(timeout=0.2)
+            except queue.Empty:
+                pass
+            if self.error is not None and threading.current_thread() is not self.thread:
+                raise RuntimeError(f"the generator failed: {self.error!r}") from self.error
+            if self.stopping.is_set():
+                raise RuntimeError("the learner stopped")
+            if time.time() > deadline:
+                raise TimeoutError(f"waited {self.args.generation_timeout} s for {what} (--generation-timeout)")
+
+    def _run(self):
+        args, world_size = self.args, self.args.world_size
+        try:
+            loaded = self.first_version
+            for update in range(self.first_version + 1, args.num_updates + 1):
+                t0 = time.time()
+                while loaded < max(self.first_version, update - 1 - self.lag):
+                    loaded, weights_path = self._wait(self.versions, "new weights")
+                    self.llm.collective_rpc("reload_weights", kwargs={"weights_path": weights_path})
+                    shutil.rmtree(weights_path, ignore_errors=True)
+                t1 = time.time()
+                prompts = [self.train_prompts[i] for r in range(world_size) for i in
+                           prompt_batch(len(self.train_prompts), self.prompts_per_rank, update - 1, args.seed, r,
+                                        world_size)]
+                responses = vllm_generate(self.llm, prompts, args.k, args.response_length, self.stop_id,
+                                          args.temperature, seed=args.seed * 2**32 + update * args.batch_size)
+                per_rank = [[responses[j * len(prompts) + r * self.prompts_per_rank + i] for j in range(args.k)
+                             for i in range(self.prompts_per_rank)] for r in range(world_size)]
+                self.batches.put((loaded, per_rank, time.time() - t1, t1 - t0))
+        except BaseException as error:  # handed to the learner, which raises it
+            self.error = error
+
+
+def save_for_vllm(policy, path):
+    """Write the policy's weights where vLLM can load them; under ZeRO-3 every rank takes part in
+    gathering the parameters and rank 0 writes."""
+    with deepspeed.zero.GatheredParameters(list(policy.module.parameters()),
+                                           enabled=policy.zero_optimization_stage() == 3):
+        if dist.get_rank() == 0:
+            policy.module.save_pretrained(path)
+
+
+def truncate_response(responses, stop_token_id, pad_token_id):
+    """Replace everything after the first stop token (which stays), and from the first pad token, by padding."""
+    is_stop = responses == stop_token_id
+    after_stop = (is_stop.cumsum(1) - is_stop.long()) > 0
+    from_pad = (responses == pad_token_id).cumsum(1) > 0
+    return responses.masked_fill(after_stop | from_pad, pad_token_id)
+
+
+def forward(model, query_responses, pad_token_id):
+    """Run a model on left-padded queries followed by right-padded responses."""
+    attention_mask = query_responses != pad_token_id
+    position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
+    return model(input_ids=query_responses, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
+
+
+def response_logprobs(logits, responses, context_length, temperature):
+    """Log-probabilities of the response tokens under logits divided by the sampling temperature."""
+    logits = logits[:, context_length - 1: -1].float() / temperature
+    return torch.log_softmax(logits, dim=-1).gather(-1, responses.unsqueeze(-1)).squeeze(-1)
+
+
+def entropy_from_logits(logits):
+    logits = logits.float()
+    return torch.logsumexp(logits, -1) - (torch.softmax(logits, -1) * logits).sum(-1)
+
+
+@torch.no_grad()
+def reward_scores(model, query_responses, pad_token_id):
+    """One score per sequence, read at its last non-pad token."""
+    return forward(model, query_responses, pad_token_id).logits[:, 0].float()
+
+
+def apply_missing_eos_penalty(scores, responses, stop_token_id, penalty):
+    return scores + penalty * (~(responses == stop_token_id).any(1)).float()
+
+
+def select_pairs(scores, k):
+    """Indices of the chosen (highest score) and rejected (lowest score) response of each prompt.
+
+    `scores` holds k blocks of the same prompts: index j * num_prompts + i is sample j of prompt i.
+    Equal scores go to the first of those samples (argmax and argmin return the first index), so a
+    prompt whose k scores are all equal is paired with itself: its margin is exactly zero and it
+    adds no gradient."""
+    scores = scores.view(k, -1)
+    num_prompts = scores.shape[1]
+    prompts = torch.arange(num_prompts, device=scores.device)
+    return scores.argmax(0) * num_prompts + prompts, scores.argmin(0) * num_prompts + prompts
+
+
+def dpo_loss(chosen_logratios, rejected_logratios, beta, loss_type):
+    """Mean DPO or IPO loss over pairs; the log-ratios are sequence sums of log pi - log ref."""
+    margin = chosen_logratios - rejected_logratios
+    if loss_type == "sigmoid":
+        losses = -F.logsigmoid(beta * margin)
+    else:
+        losses = (margin - 1 / (2 * beta)) ** 2
+    return losses.mean()
+
+
+def masked_mean(values, mask):
+    return (values * mask).sum() / mask.sum().clamp(min=1)
+
+
+def mean_over_ranks(stats):
+    """Average a dict of floats over all processes."""
+    values = torch.tensor(list(stats.values()), dtype=torch.float64)
+    dist.all_reduce(values)
+    return dict(zip(stats, (values / dist.get_world_size()).tolist()))
+
+
+@contextlib.contextmanager
+def unwrapped_for_generation(engine):
+    """The policy module for generate(); under ZeRO-3 its parameters are gathered once for the
+    whole call (DeepSpeed's helper), not layer by layer at every decoding step."""
+    if engine.zero_optimization_stage() == 3:
+        with unwrap_model_for_generation(engine):
+            yield engine.module
+    else:
+        yield engine.module
+
+
+@torch.no_grad()
+def evaluate(args, policy, reward_model, gold_model, eval_prompts, tokenizer, stop_id, device):
+    """Greedy responses to held-out prompts, scored by the reward model (and the gold model)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    prompts = eval_prompts[: args.num_eval_prompts][rank::world]
+    sums = torch.zeros(4, dtype=torch.float64)
+    samples = []
+    for start in range(0, len(prompts), args.per_device_train_batch_size):
+        queries = left_pad(prompts[start: start + args.per_device_train_batch_size], tokenizer.pad_token_id, device)
+        with unwrapped_for_generation(policy) as model:
+            responses = generate(model, queries, tokenizer.pad_token_id, stop_id, args.response_length)
+        responses = truncate_response(responses, stop_id, tokenizer.pad_token_id)
+        query_responses = torch.cat([queries, responses], 1)
+        scores = reward_scores(reward_model, query_responses, tokenizer.pad_token_id)
+        gold = reward_scores(gold_model, query_responses, tokenizer.pad_token_id) if gold_model else scores * 0
+        sums += torch.tensor([scores.sum(), gold.sum(), (responses != tokenizer.pad_token_id).sum(), len(scores)])
+        if not samples:
+            for q, r, s in zip(queries[:4], responses[:4], scores[:4]):
+                samples.append([tokenizer.decode(q, skip_special_tokens=True),
+                                tokenizer.decode(r, skip_special_tokens=True), round(s.item(), 3)])
+    dist.all_reduce(sums)
+    metrics = {"eval/scores": sums[0] / sums[3], "eval/response_length": sums[2] / sums[3]}
+    if gold_model is not None:
+        metrics["eval/gold_scores"] = sums[1] / sums[3]
+    return {k: v.item() for k, v in metrics.items()}, samples
+
+
+class SafeCheckpointEngine(TorchCheckpointEngine):
+    """DeepSpeed's checkpoint engine, but loading with weights_only=True so that a checkpoint cannot run code."""
+
+    def load(self, path, map_location=None):
+        from deepspeed.runtime.fp16.loss_scaler import LossScaler
+        from deepspeed.runtime.zero.config import ZeroStageEnum
+        from deepspeed.utils.tensor_fragment import fragment_address
+
+        with torch.serialization.safe_globals([LossScaler, ZeroStageEnum, fragment_address]):
+            return torch.load(path, map_location=map_location, weights_only=True)
+
+
+def save_checkpoint(args, run_dir, update, episode, engines, tokenizer):
+    """Write <run_dir>/checkpoint-<update>: every trained model as save_pretrained (the policy at the
+    top, any other, such as PPO's value model, in a subdirectory of its name) plus the full
+    training state in training_state/ (DeepSpeed's model, optimizer and scheduler state of each
+    engine, and every rank's RNG state).
+
+    Everything is written to a temporary directory first and renamed at the end, so an
+    interruption never leaves a half-written checkpoint behind."""
+    final = os.path.join(run_dir, f"checkpoint-{update}")
+    tmp = final + ".tmp"
+    if dist.get_rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+    dist.barrier()
+    for name, engine in engines.items():
+        engine.save_checkpoint(os.path.join(tmp, "training_state"), tag=name, save_latest=False)
+        with deepspeed.zero.GatheredParameters(list(engine.module.parameters()),
+                                               enabled=engine.zero_optimization_stage() == 3):
+            if dist.get_rank() == 0:
+                engine.module.save_pretrained(tmp if name == "policy" else os.path.join(tmp, name))
+    torch.save({"torch": torch.get_rng_state(), "accelerator": get_accelerator().get_rng_state()},
+               os.path.join(tmp, "training_state", f"rng_rank{dist.get_rank()}.pt"))
+    if dist.get_rank() == 0:
+        tokenizer.save_pretrained(tmp)
+        with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
+            json.dump({"update": update, "episode": episode, "args": asdict(args)}, f, indent=1)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+    dist.barrier()
+
+
+def latest_checkpoint(path):
+    """`path` if it is a checkpoint, else the checkpoint of `path` with the highest update."""
+    if os.path.isfile(os.path.join(path, "trainer_state.json")):
+        return path
+    updates = [int(d.split("-")[1]) for d in os.listdir(path) if d.startswith("checkpoint-") and d[11:].isdigit()]
+    if not updates:
+        fail("resume", f"no checkpoint in {path}")
+    return os.path.join(path, f"checkpoint-{max(updates)}")
+
+
+def load_checkpoint(checkpoint, engines):
+    """Restore the training state written by save_checkpoint; returns (update, episode)."""
+    for name, engine in engines.items():
+        engine.checkpoint_engine = SafeCheckpointEngine()
+        engine.load_checkpoint(os.path.join(checkpoint, "training_state"), tag=name)
+    rng = torch.load(os.path.join(checkpoint, "training_state", f"rng_rank{dist.get_rank()}.pt"), weights_only=True)
+    torch.set_rng_state(rng["torch"])
+    get_accelerator().set_rng_state(rng["accelerator"])
+    with open(os.path.join(checkpoint, "trainer_state.json")) as f:
+        state = json.load(f)
+    return state["update"], state["episode"]
+
+
+def init_distributed():
+    """Join the process group; a plain `python` launch is a group of one."""
+    if "RANK" not in os.environ:
+        with socket.socket() as s:  # a free port, so several single-process runs can share a machine
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
+
+
+def ds_config(args, train):
+    with open(args.deepspeed_config) as f:
+        config = json.load(f)
+    config.update(train_micro_batch_size_per_gpu=args.per_device_train_batch_size,
+                  gradient_accumulation_steps=args.gradient_accumulation_steps if train else 1,
+                  bf16={"enabled": args.bf16})
+    if not train:  # frozen models: partitioned under ZeRO-3, replicated otherwise; no optimizer state
+        stage = config["zero_optimization"]["stage"]
+        config = {k: v for k, v in config.items() if k not in ("zero_optimization", "gradient_clipping")}
+        config["zero_optimization"] = {"stage": 3 if stage == 3 else 0}
+    return config
+
+
+def disable_dropout(model):
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+
+
+if __name__ == "__main__":
+    args = tyro.cli(Args)
+    args.world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    validate(args)
+    init_distributed()
+    rank = dist.get_rank()
+    device = torch.device(get_accelerator().device_name(args.local_rank))
+    if torch.cuda.is_available():
+        torch.cuda.set_device(device)
+    else:  # vLLM gets --vllm-cpu-cores of its own; the learner ranks share the others
+        torch.set_num_threads(max(1, (len(os.sched_getaffinity(0)) - args.vllm_cpu_cores) // args.world_size))
+    torch.manual_seed(args.seed + rank)  # each rank samples different responses
+
+    # Tokenizer, data and stop token are checked before any model is loaded.
+    tokenizer = load_tokenizer(args.sft_model_path, args.trust_remote_code)
+    stop_id = stop_token_id(args, tokenizer)
+    train_prompts, eval_prompts = load_prompts(args, tokenizer)
+    prompts_per_rank = args.local_batch_size // args.k
+    if len(train_prompts) < prompts_per_rank * args.world_size:
+        fail("per_device_train_batch_size", f"a batch needs {prompts_per_rank * args.world_size} prompts; "
+                                            f"the train split has {len(train_prompts)}")
+    if load_tokenizer(args.reward_model_path, args.trust_remote_code).get_vocab() != tokenizer.get_vocab():
+        fail("reward_model_path", "the reward model's tokenizer differs from the policy's")
+
+    run_dir = os.path.dirname(os.path.abspath(latest_checkpoint(args.resume))) if args.resume else None
+    run_name = os.path.basename(run_dir) if run_dir else f"{args.exp_name}__{args.seed}__{int(time.time())}"
+    run_name = [run_name]
+    dist.broadcast_object_list(run_name, src=0)  # every rank uses rank 0's clock
+    run_dir = run_dir or os.path.join(os.path.abspath(args.output_dir), run_name[0])
+
+    # Models. Dropout is off: it would make the log-probabilities of the same tokens disagree.
+    dtype = torch.bfloat16 if args.bf16 else torch.float32
+    load = dict(dtype=dtype, trust_remote_code=args.trust_remote_code)
+    policy = AutoModelForCausalLM.from_pretrained(args.sft_model_path, **load)
+    ref_policy = AutoModelForCausalLM.from_pretrained(args.sft_model_path, **load)
+    reward_model = AutoModelForSequenceClassification.from_pretrained(args.reward_model_path, num_labels=1, **load)
+    gold_model = None
+    if args.gold_reward_model_path:
+        gold_model = AutoModelForSequenceClassification.from_pretrained(args.gold_reward_model_path, num_labels=1, **load)
+    for model in (policy, ref_policy, reward_model, gold_model):
+        if model is not None:
+            disable_dropout(model)
+            model.config.pad_token_id = tokenizer.pad_token_id
+            if len(tokenizer) > model.get_input_embeddings().num_embeddings:  # room for an added pad token
+                model.resize_token_embeddings(len(tokenizer))
+    policy.generation_config.pad_token_id = tokenizer.pad_token_id
+    if args.gradient_checkpointing:
+        policy.gradient_checkpointing_enable()
+
+    # DeepSpeed engines: the policy trains; the reference and reward models only run forward.
+    config = ds_config(args, train=True)
+    offload = config["zero_optimization"].get("offload_optimizer", {}).get("device", "none") != "none"
+    adam = deepspeed.ops.adam.DeepSpeedCPUAdam if offload else torch.optim.AdamW
+    optimizer = adam(policy.parameters(), lr=args.learning_rate, eps=1e-5, weight_decay=0.0)
+    num_steps = args.num_updates * args.num_mini_batches * args.num_ppo_epochs
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 - step / num_steps)
+    policy, *_ = deepspeed.initialize(model=policy, optimizer=optimizer, lr_scheduler=scheduler, config=config)
+    frozen = [deepspeed.initialize(model=m.eval(), config=ds_config(args, train=False))[0] if m is not None else None
+              for m in (ref_policy, reward_model, gold_model)]
+    ref_policy, reward_model, gold_model = frozen
+
+    start_update, episode = 0, 0
+    if args.resume:
+        start_update, episode = load_checkpoint(latest_checkpoint(args.resume), {"policy": policy})
+
+    # vLLM on rank 0, started from the learner's weights (version start_update: the SFT policy, or
+    # the resumed one). Weights move through a directory in memory (/dev/shm) where there is one.
+    lag = 0 if args.sync else args.off_policy_steps
+    weights_dir = os.path.join("/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir(),
+                               f"{run_name[0]}-weights")
+    save_for_vllm(policy, os.path.join(weights_dir, f"policy-{start_update}"))
+    if rank == 0:
+        tokenizer.save_pretrained(os.path.join(weights_dir, f"policy-{start_update}"))
+        llm = start_vllm(args, os.path.join(weights_dir, f"policy-{start_update}"))
+        generator = Generator(args, llm, weights_dir, train_prompts, prompts_per_rank, stop_id, start_update, lag)
+        atexit.register(generator.close)  # on every way out: the end, an error, Ctrl-C, SIGTERM (next line)
+        signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+
+    # Tracking: metrics.jsonl always (rank 0), wandb with --track.
+    metrics_path = os.path.join(run_dir, "metrics.jsonl")
+    if rank == 0:
+        os.makedirs(run_dir, exist_ok=True)
+        if args.resume and os.path.exists(metrics_path):  # drop what was logged after the checkpoint
+            with open(metrics_path) as f:
+                kept = [line for line in f if json.loads(line)["update"] <= start_update]
+            with open(metrics_path, "w") as f:
+                f.writelines(kept)
+        if args.track:
+            import wandb
+
+            wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, name=run_name[0], id=run_name[0],
+                       config=asdict(args), resume="allow" if args.resume else None, save_code=True)
+        print(f"run {run_dir}: {args.num_updates} updates of {args.batch_size} responses "
+              f"({args.batch_size // args.k} prompts x {args.k})", flush=True)
+
+    def log(update, metrics, samples=None):
+        if rank != 0:
+            return
+        with open(metrics_path, "a") as f:
+            f.write(json.dumps({"update": update, **metrics}) + "\n")
+        if args.track:
+            wandb.log(metrics, step=metrics["episode"])
+            if samples:
+                wandb.log({"eval/samples": wandb.Table(columns=["query", "response", "score"], data=samples)},
+                          step=metrics["episode"])
+
+    pad = tokenizer.pad_token_id
+    progress = tqdm(total=args.num_updates * args.batch_size, initial=episode, unit="ep", disable=rank != 0)
+    if not args.resume:  # the curves start from the SFT policy
+        eval_metrics, samples = evaluate(args, policy, reward_model, gold_model, eval_prompts, tokenizer, stop_id, device)
+        log(0, {**eval_metrics, "episode": 0}, samples)
+    start_time, start_episode = time.time(), episode
+    for update in range(start_update + 1, args.num_updates + 1):
+        # 1. Take the next batch from the generator: k responses per prompt, by policy `version`.
+        t0 = time.time()
+        batch = [generator.get() if rank == 0 else None]
+        dist.broadcast_object_list(batch, src=0)
+        version, per_rank, generation_time, reload_time = batch[0]
+        indices = prompt_batch(len(train_prompts), prompts_per_rank, update - 1, args.seed, rank, args.world_size)
+        queries = left_pad([train_prompts[i] for i in indices], pad, device).repeat(args.k, 1)
+        context_length = queries.shape[1]
+        responses = truncate_response(right_pad(per_rank[rank], pad, device), stop_id, pad)
+        query_responses = torch.cat([queries, responses], 1)
+        padding_mask = responses == pad  # everything after the response
+        t1 = time.time()
+
+        # 2. Score: log-probabilities under the policy and the reference, reward-model scores.
+        logprobs, ref_logprobs, scores = [], [], []
+        with torch.no_grad():
+            for i in range(0, len(query_responses), args.per_device_train_batch_size):
+                chunk = query_responses[i: i + args.per_device_train_batch_size]
+                chunk_responses = chunk[:, context_length:]
+                logprobs.append(response_logprobs(forward(policy, chunk, pad).logits, chunk_responses,
+                                                  context_length, args.temperature))
+                ref_logprobs.append(response_logprobs(forward(ref_policy, chunk, pad).logits, chunk_responses,
+                                                      context_length, args.temperature))
+                scores.append(reward_scores(reward_model, chunk, pad))
+        logprobs = torch.cat(logprobs).masked_fill(padding_mask, 0.0)
+        ref_logprobs = torch.cat(ref_logprobs).masked_fill(padding_mask, 0.0)
+        raw_scores = torch.cat(scores)
+        scores = apply_missing_eos_penalty(raw_scores, responses, stop_id, args.missing_eos_penalty)
+
+        # 3. Pairs: the best and the worst response to each prompt.
+        chosen, rejected = select_pairs(scores, args.k)
+        kl = (logprobs - ref_logprobs).sum(1)
+        non_score_reward = -args.beta * kl
+        rlhf_reward = scores + non_score_reward
+        t2 = time.time()
+
+        # 4. DPO updates over mini-batches of the prompts; each micro-batch holds whole prompts.
+        stats = {name: [] for name in ("loss", "chosen_logps", "rejected_logps", "chosen_rewards", "rejected_rewards",
+                                       "accuracy", "entropy")}
+        num_prompts = args.local_batch_size // args.k
+        mini_batch_prompts = num_prompts // args.num_mini_batches
+        micro_batch_prompts = args.per_device_train_batch_size // args.k
+        for _ in range(args.num_ppo_epochs):
+            order = torch.randperm(num_prompts, device=device)
+            for mb_start in range(0, num_prompts, mini_batch_prompts):
+                for mc_start in range(mb_start, mb_start + mini_batch_prompts, micro_batch_prompts):
+                    prompts = order[mc_start: mc_start + micro_batch_prompts]
+                    idx = torch.cat([chosen[prompts], rejected[prompts]])  # chosen first, then rejected
+                    output = forward(policy, query_responses[idx], pad)
+                    new_logprobs = response_logprobs(output.logits, responses[idx], context_length, args.temperature)
+                    new_logprobs = new_logprobs.masked_fill(padding_mask[idx], 0.0).sum(1)
+                    new_logratios = new_logprobs - ref_logprobs[idx].sum(1)
+                    chosen_logratios, rejected_logratios = new_logratios.chunk(2)
+                    loss = dpo_loss(chosen_logratios, rejected_logratios, args.beta, args.loss_type)
+                    policy.backward(loss)
+                    policy.step()
+                    with torch.no_grad():
+                        entropy = entropy_from_logits(output.logits[:, context_length - 1: -1] / args.temperature)
+                        stats["loss"].append(loss)
+                        stats["chosen_logps"].append(new_logprobs.chunk(2)[0].mean())
+                        stats["rejected_logps"].append(new_logprobs.chunk(2)[1].mean())
+                        stats["chosen_rewards"].append(args.beta * chosen_logratios.mean())
+                        stats["rejected_rewards"].append(args.beta * rejected_logratios.mean())
+                        stats["accuracy"].append((chosen_logratios > rejected_logratios).float().mean())
+                        stats["entropy"].append(masked_mean(entropy, ~padding_mask[idx]))
+        t3 = time.time()
+
+        # 5. Hand the new weights to vLLM, if a later batch is to be generated by them.
+        if update + 1 + lag <= args.num_updates:
+            save_for_vllm(policy, os.path.join(weights_dir, f"policy-{update}"))
+            if rank == 0:
+                generator.publish(update, os.path.join(weights_dir, f"policy-{update}"))
+        t4 = time.time()
+
+        # 6. Log, evaluate, save.
+        episode += args.batch_size
+        progress.update(args.batch_size)
+        mean = {name: torch.stack(per_step).mean().item() for name, per_step in stats.items()}
+        metrics = mean_over_ranks({
+            "objective/scores": scores.mean().item(),
+            "objective/raw_scores": raw_scores.mean().item(),
+            "objective/scores_margin": (scores[chosen] - scores[rejected]).mean().item(),
+            "objective/kl": kl.mean().item(),
+            "objective/non_score_reward": non_score_reward.mean().item(),
+            "objective/rlhf_reward": rlhf_reward.mean().item(),
+            "objective/entropy": (-logprobs).sum(1).mean().item(),
+            "policy/entropy_avg": mean["entropy"],
+            "loss/policy_avg": mean["loss"],
+            "logps/chosen": mean["chosen_logps"],
+            "logps/rejected": mean["rejected_logps"],
+            "rewards/chosen": mean["chosen_rewards"],
+            "rewards/rejected": mean["rejected_rewards"],
+            "rewards/margins": mean["chosen_rewards"] - mean["rejected_rewards"],
+            "rewards/accuracies": mean["accuracy"],
+            "val/num_eos_tokens": (responses == stop_id).sum().item() * args.world_size,
+            "val/response_length": (~padding_mask).sum(1).float().mean().item(),
+            "async/staleness": update - 1 - version,
+            "time/generation": generation_time,
+            "time/generation_wait": t1 - t0,
+            "time/scoring": t2 - t1,
+            "time/training": t3 - t2,
+            "time/weight_sync": t4 - t3,
+            "time/weight_reload": reload_time,
+        })
+        metrics.update(lr=policy.get_lr()[0], episode=episode, eps=(episode - start_episode) / (time.time() - start_time))
+        samples = None
+        if (args.eval_every and update % args.eval_every == 0) or update == args.num_updates:
+            eval_metrics, samples = evaluate(args, policy, reward_model, gold_model, eval_prompts, tokenizer, stop_id, device)
+            metrics.update(eval_metrics)
+            if rank == 0:
+                tqdm.write(f"update {update}: " + ", ".join(f"{k} {v:.3f}" for k, v in eval_metrics.items()))
+                for query, response, score in samples[:2]:
+                    tqdm.write(f"  {query!r} -> {response!r} (score {score})")
+        log(update, metrics, samples)
+        progress.set_postfix(score=f"{metrics['objective/scores']:.3f}", kl=f"{metrics['objective/kl']:.2f}",
+                             eps=f"{metrics['eps']:.0f}")
+        if (args.save_every and update % args.save_every == 0) or update == args.num_updates:
+            save_checkpoint(args, run_dir, update, episode, {"policy": policy}, tokenizer)
+
+    progress.close()
+    if rank == 0:
+        generator.close()
+    if rank == 0 and args.track:
+        wandb.finish()
+    dist.barrier()
+    dist.destroy_process_group()
