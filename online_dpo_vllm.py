@@ -118,6 +118,8 @@ class Args:
     """share of its GPU's memory vLLM may take for weights and KV cache (lower it when it shares a training GPU)"""
     vllm_cpu_cores: int = 1
     """without a GPU: CPU cores for vLLM (the learner keeps the others)"""
+    vllm_enforce_eager: bool = False
+    """skip vLLM's model compilation (and CUDA graphs): starts faster, generates slower; for short runs"""
     generation_timeout: float = 600.0
     """seconds the learner waits for a batch (and the generator for weights) before stopping with an error"""
 
@@ -302,7 +304,7 @@ def start_vllm(args, model_path):
 
     engine_args = dict(model=model_path, dtype="bfloat16" if args.bf16 else "float32", seed=args.seed,
                        max_model_len=args.max_prompt_length + args.response_length,
-                       trust_remote_code=args.trust_remote_code)
+                       enforce_eager=args.vllm_enforce_eager, trust_remote_code=args.trust_remote_code)
     if torch.cuda.is_available():
         env = {"CUDA_VISIBLE_DEVICES": str(vllm_gpu_index(args))}
         engine_args["gpu_memory_utilization"] = args.vllm_gpu_memory_utilization
@@ -343,6 +345,12 @@ def vllm_generate(llm, prompts, k, response_length, stop_token_id, temperature, 
     return [list(output.outputs[0].token_ids) for output in llm.generate(requests, sampling, use_tqdm=False)]
 
 
+def load_into_vllm(llm, weights_path):
+    """Replace the engine's weights by those of a save_pretrained directory (vLLM's in-place reload,
+    run in the engine's worker process)."""
+    llm.collective_rpc("reload_weights", kwargs={"weights_path": weights_path})
+
+
 def right_pad(sequences, pad_token_id, device):
     width = max(1, max(len(s) for s in sequences))
     out = torch.full((len(sequences), width), pad_token_id, dtype=torch.long)
@@ -380,8 +388,8 @@ class Generator:
     def close(self):
         """Stop the thread and the engine and delete the handed-over weights (safe to call twice)."""
         self.stopping.set()
-        self.llm.llm_engine.engine_core.shutdown(timeout=30)  # a generate() in progress fails and returns
-        self.thread.join(timeout=30)
+        self.llm.llm_engine.engine_core.shutdown(timeout=30)
+        self.thread.join(timeout=5)  # a daemon: if it is stuck in a dead engine, the process exits without it
         shutil.rmtree(self.weights_dir, ignore_errors=True)
 
     def _wait(self, source, what):
@@ -391,8 +399,11 @@ class Generator:
                 return source.get(timeout=0.2)
             except queue.Empty:
                 pass
-            if self.error is not None and threading.current_thread() is not self.thread:
-                raise RuntimeError(f"the generator failed: {self.error!r}") from self.error
+            if threading.current_thread() is not self.thread:  # the learner asks: is the generator alive?
+                if self.error is not None:
+                    raise RuntimeError(f"the generator failed: {self.error!r}") from self.error
+                if self.llm.llm_engine.engine_core.resources.engine_dead:  # a generate() waiting on it never returns
+                    raise RuntimeError("the generator failed: vLLM's engine process died")
             if self.stopping.is_set():
                 raise RuntimeError("the learner stopped")
             if time.time() > deadline:
@@ -406,7 +417,7 @@ class Generator:
                 t0 = time.time()
                 while loaded < max(self.first_version, update - 1 - self.lag):
                     loaded, weights_path = self._wait(self.versions, "new weights")
-                    self.llm.collective_rpc("reload_weights", kwargs={"weights_path": weights_path})
+                    load_into_vllm(self.llm, weights_path)
                     shutil.rmtree(weights_path, ignore_errors=True)
                 t1 = time.time()
                 prompts = [self.train_prompts[i] for r in range(world_size) for i in

@@ -12,7 +12,7 @@ import os
 import pytest
 from conftest import ROOT
 
-SCRIPTS = ["rloo.py", "online_dpo.py", "bok.py", "ppo.py"]
+SCRIPTS = ["rloo.py", "online_dpo.py", "bok.py", "ppo.py", "online_dpo_vllm.py"]
 MEANT_TO_DIFFER = {"validate", "Args"}
 CORE = {"load_prompts", "left_pad", "generate", "truncate_response", "response_logprobs", "reward_scores",
         "apply_missing_eos_penalty", "evaluate", "save_checkpoint", "load_checkpoint", "ds_config"}

@@ -1,0 +1,121 @@
+"""online_dpo_vllm.py's own parts: weights handed to vLLM, generator failure. (Its runs, learning,
+resume, staleness under DeepSpeed and bad input are in test_scripts_run.py with the other scripts.)"""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+import torch
+from conftest import ROOT, TINY, read_metrics, run_dir_of
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+import online_dpo_vllm as script
+
+PROMPTS = ["SUBREDDIT: r/travel\nPOST: rain hotel beach\nTL;DR:", "SUBREDDIT: r/tech\nPOST: code router\nTL;DR:",
+           "SUBREDDIT: r/cooking\nPOST: salad\nTL;DR:"]
+
+
+def _policy(kind, tokenizer):
+    if kind == "gpt_neox":
+        return AutoModelForCausalLM.from_pretrained(os.path.join(TINY, "sft"))
+    torch.manual_seed(0)  # a random Llama, with weights large enough that greedy choices are clear-cut
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=128,
+                         initializer_range=0.2, pad_token_id=tokenizer.pad_token_id,
+                         eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.eos_token_id)
+    return LlamaForCausalLM(config)
+
+
+def _truncated(responses, tokenizer):
+    """Responses as the script trains on them: cut after the stop token and at a sampled pad token."""
+    responses = script.truncate_response(responses, tokenizer.eos_token_id, tokenizer.pad_token_id)
+    return [[t for t in row if t != tokenizer.pad_token_id] for row in responses.tolist()]
+
+
+def _greedy_hf(model, prompts, tokenizer, length):
+    pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id
+    return _truncated(script.generate(model, script.left_pad(prompts, pad, "cpu"), pad, eos, length), tokenizer)
+
+
+def _greedy_vllm(llm, prompts, tokenizer, length):
+    responses = script.vllm_generate(llm, prompts, 1, length, tokenizer.eos_token_id, temperature=0, seed=0)
+    return _truncated(script.right_pad(responses, tokenizer.pad_token_id, "cpu"), tokenizer)
+
+
+@pytest.mark.parametrize("kind", ["gpt_neox", "llama"])
+def test_after_a_weight_push_vllm_greedy_equals_hf_greedy(tmp_path, kind):
+    tokenizer = AutoTokenizer.from_pretrained(os.path.join(TINY, "sft"))
+    model = _policy(kind, tokenizer).eval()
+    prompts = [tokenizer.encode(p) for p in PROMPTS]
+    model.save_pretrained(tmp_path / "v0")
+    tokenizer.save_pretrained(tmp_path / "v0")
+    args = script.Args(bf16=False, response_length=12, batch_size=8, vllm_enforce_eager=True)
+    llm = script.start_vllm(args, str(tmp_path / "v0"))
+    try:
+        before = _greedy_vllm(llm, prompts, tokenizer, 12)
+        assert before == _greedy_hf(model, prompts, tokenizer, 12)
+        # Train the HF model a little (it learns to answer "beach plane"), then hand the weights over.
+        target = tokenizer.encode(" beach plane", add_special_tokens=False) + [tokenizer.eos_token_id]
+        optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+        for _ in range(30):
+            for prompt in prompts:
+                ids = torch.tensor([prompt + target])
+                loss = model(input_ids=ids, labels=ids.masked_fill(torch.arange(ids.shape[1]) < len(prompt), -100)).loss
+                loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        model.eval()
+        model.save_pretrained(tmp_path / "v1")
+        script.load_into_vllm(llm, str(tmp_path / "v1"))
+        after = _greedy_vllm(llm, prompts, tokenizer, 12)
+    finally:
+        llm.llm_engine.engine_core.shutdown(timeout=30)
+    assert after == _greedy_hf(model, prompts, tokenizer, 12)
+    assert after != before  # the push changed what vLLM generates
+    assert all(response[-1] == tokenizer.eos_token_id for response in after)  # the stop token is kept
+
+
+def test_sampling_is_seeded_per_request(tmp_path):
+    """The same seed gives the same batch whatever vLLM ran before; another seed gives another."""
+    tokenizer = AutoTokenizer.from_pretrained(os.path.join(TINY, "sft"))
+    prompts = [tokenizer.encode(p) for p in PROMPTS]
+    llm = script.start_vllm(script.Args(bf16=False, batch_size=8, vllm_enforce_eager=True), os.path.join(TINY, "sft"))
+    try:
+        first = script.vllm_generate(llm, prompts, 2, 16, tokenizer.eos_token_id, temperature=0.7, seed=5)
+        script.vllm_generate(llm, prompts, 4, 16, tokenizer.eos_token_id, temperature=0.7, seed=9)
+        again = script.vllm_generate(llm, prompts, 2, 16, tokenizer.eos_token_id, temperature=0.7, seed=5)
+        other = script.vllm_generate(llm, prompts, 2, 16, tokenizer.eos_token_id, temperature=0.7, seed=6)
+    finally:
+        llm.llm_engine.engine_core.shutdown(timeout=30)
+    assert first == again and first != other
+    assert len(first) == 6 and first[0] != first[3]  # two different samples of the first prompt
+
+
+def test_a_dead_generator_stops_the_run_with_its_error(tmp_path):
+    """Kill vLLM's engine process in the middle of a run: the learner must exit non-zero, naming the
+    generator's failure, within seconds, and leave no process behind."""
+    process = subprocess.Popen([sys.executable, "online_dpo_vllm.py", "--vllm-enforce-eager", "--output-dir",
+                                str(tmp_path)], cwd=ROOT, env={**os.environ, "WANDB_MODE": "offline"},
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 300
+        while not list(tmp_path.glob("*__*/metrics.jsonl")) or len(read_metrics(run_dir_of(tmp_path))) < 3:
+            assert process.poll() is None and time.time() < deadline, "the run ended or stalled before training"
+            time.sleep(0.5)
+        children = psutil.Process(process.pid).children(recursive=True)
+        (engine,) = [p for p in children if p.cmdline() and p.cmdline()[0].startswith("VLLM::EngineCore")]
+        engine.send_signal(signal.SIGKILL)
+        killed = time.time()
+        stderr = process.communicate(timeout=60)[1]
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert process.returncode not in (0, None)
+    assert time.time() - killed < 30, "the learner took too long to notice"
+    assert "the generator failed" in stderr, stderr[-3000:]
+    time.sleep(2)
+    assert not [p for p in children if p.is_running() and p.status() != psutil.STATUS_ZOMBIE], "processes left behind"
