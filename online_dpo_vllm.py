@@ -317,6 +317,9 @@ def start_vllm(args, model_path):
         per_token = 2 * config.num_hidden_layers * config.hidden_size * (2 if args.bf16 else 4)
         engine_args["kv_cache_memory_bytes"] = max(2 * per_token * args.batch_size * engine_args["max_model_len"],
                                                    64 * 2**20)
+        # A prompt whose prefill is split over steps makes vLLM rewind its seeded sampler, which
+        # torch's CPU generator cannot do; without chunked prefill every prompt is prefilled whole.
+        engine_args["enable_chunked_prefill"] = False
     saved = {name: os.environ.get(name) for name in env}
     os.environ.update(env)
     try:

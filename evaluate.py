@@ -1,0 +1,456 @@
+"""Evaluate policies as the asynchronous RLHF paper does: gold win rate against reference responses, and
+distance from the SFT model.
+
+For every policy checkpoint of a run (or one model path), near-greedy responses (temperature 0.01)
+to the held-out prompts are scored by a gold reward model, together with the dataset's reference
+responses. Reported per checkpoint:
+- win rate: the share of prompts whose response the gold model scores strictly higher than the
+  reference (the paper's definition: ties lose);
+- gold score: the mean gold score of the responses (and its margin over the references');
+- KL: the policy's KL to the SFT model on its own samples, drawn at the training temperature
+  (0.7) and summed over response tokens, as the training scripts log objective/kl;
+- perplexity: the paper's "KL (perplexity)", the SFT model's perplexity on the evaluated
+  responses (per response, exp of the mean negative log-likelihood per token; then averaged).
+Responses come from vLLM when it is installed (one engine, whose weights are swapped between
+checkpoints) or from HF generation (`--backend hf`).
+
+    python evaluate.py --checkpoints runs/online_dpo__1__1700000000      # every checkpoint of a run
+    python evaluate.py --checkpoints runs/online_dpo__1__1700000000/checkpoint-1000 --backend hf
+    python evaluate.py --checkpoints mnoukhov/pythia410m-sft-tldr --sft-model-path mnoukhov/pythia410m-sft-tldr \\
+        --gold-reward-model-path cleanrl/EleutherAI_pythia-6.9b-deduped__reward__tldr \\
+        --dataset-name vwxyzjn/summarize_from_feedback_tldr_3_filtered_oai_preprocessing_1706381144 \\
+        --dataset-eval-split validation --max-prompt-length 512 --response-length 53
+"""
+
+import importlib.util
+import json
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass
+from typing import Optional
+
+import torch
+import tyro
+from datasets import load_dataset
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+
+
+@dataclass
+class Args:
+    checkpoints: Optional[str] = None
+    """a run directory (every checkpoint-<update> in it is evaluated) or one model directory or hub id"""
+    sft_model_path: str = "assets/tiny/sft"
+    """policy and reference model: a local directory or a hub id"""
+    gold_reward_model_path: Optional[str] = "assets/tiny/gold_reward"
+    """optional reward model used only for evaluation (eval/gold_scores); None to skip"""
+    trust_remote_code: bool = False
+    """allow models and tokenizers to run code from their repository"""
+    dataset_name: str = "assets/tiny/data"
+    """dataset with a `query` column of prompts: a local directory or a hub id"""
+    dataset_eval_split: str = "test"
+    """split to evaluate on"""
+    reference_column: str = "reference_response"
+    """column of the dataset's reference responses (the text after the prompt)"""
+    num_eval_prompts: int = 0
+    """evaluate on the first this many prompts of the split (0: all, as the paper)"""
+    max_prompt_length: int = 64
+    """prompts longer than this many tokens keep their last max_prompt_length tokens"""
+    response_length: int = 16
+    """number of tokens to sample for each response"""
+    temperature: float = 0.01
+    """temperature of the evaluated responses (near-greedy, as in the paper)"""
+    kl_temperature: float = 0.7
+    """temperature of the samples on which the KL to the SFT model is estimated (the training temperature)"""
+    stop_token: str = "eos"
+    """a response ends at its first stop token: `eos` for the tokenizer's EOS, or a string that is one token"""
+    backend: str = "auto"
+    """`vllm`, `hf` (transformers generation), or `auto`: vllm when it is installed"""
+    per_device_eval_batch_size: int = 64
+    """prompts per HF generation and per forward pass"""
+    seed: int = 1
+    """random seed"""
+    bf16: bool = torch.cuda.is_available()
+    """train and generate in bfloat16 (default: on when a GPU is present)"""
+    output: Optional[str] = None
+    """JSON file for the results (default: evaluation.json in the run directory, or in the checkpoint)"""
+    track: bool = False
+    """log to Weights & Biases (set WANDB_MODE=offline to log without a network)"""
+    wandb_project_name: str = "async-rlhf"
+    """wandb project"""
+    wandb_entity: Optional[str] = None
+    """wandb entity (team or user)"""
+    vllm_gpu: Optional[int] = None
+    """GPU for vLLM (physical index); default: the first GPU no training rank uses, else rank 0's GPU"""
+    vllm_gpu_memory_utilization: float = 0.9
+    """share of its GPU's memory vLLM may take for weights and KV cache (lower it when it shares a training GPU)"""
+    vllm_cpu_cores: int = 1
+    """without a GPU: CPU cores for vLLM (the learner keeps the others)"""
+    vllm_enforce_eager: bool = False
+    """skip vLLM's model compilation (and CUDA graphs): starts faster, generates slower; for short runs"""
+
+    # Filled in at run time.
+    batch_size: int = 0
+    """(set at run time) responses per generation batch on all devices"""
+
+
+def fail(argument, message):
+    """Bad input: one line on stderr naming the argument, exit code 2."""
+    print(f"error: --{argument.replace('_', '-')}: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def check_model_path(argument, path):
+    looks_like_hub_id = path.count("/") == 1 and not path.startswith((".", "/", "~"))
+    if not os.path.isdir(path) and not looks_like_hub_id:
+        fail(argument, f"no such directory: {path}")
+
+
+def load_tokenizer(path, trust_remote_code):
+    """A tokenizer with a pad token distinct from EOS (added when missing, as for Pythia)."""
+    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    if tokenizer.pad_token_id is None or tokenizer.pad_token_id == tokenizer.eos_token_id:
+        tokenizer.add_special_tokens({"pad_token": "[PAD]"})
+    return tokenizer
+
+
+def stop_token_id(args, tokenizer):
+    if args.stop_token == "eos":
+        if tokenizer.eos_token_id is None:
+            fail("stop_token", "the tokenizer has no EOS token; name a stop token")
+        return tokenizer.eos_token_id
+    ids = tokenizer.encode(args.stop_token, add_special_tokens=False)
+    if len(ids) != 1:
+        fail("stop_token", f"{args.stop_token!r} is not a single token of the tokenizer (it is {len(ids)} tokens)")
+    return ids[0]
+
+
+def left_pad(sequences, pad_token_id, device):
+    width = max(len(s) for s in sequences)
+    out = torch.full((len(sequences), width), pad_token_id, dtype=torch.long)
+    for i, s in enumerate(sequences):
+        out[i, width - len(s):] = torch.tensor(s, dtype=torch.long)
+    return out.to(device)
+
+
+def right_pad(sequences, pad_token_id, device):
+    width = max(1, max(len(s) for s in sequences))
+    out = torch.full((len(sequences), width), pad_token_id, dtype=torch.long)
+    for i, s in enumerate(sequences):
+        out[i, : len(s)] = torch.tensor(s, dtype=torch.long)
+    return out.to(device)
+
+
+@torch.no_grad()
+def generate(model, queries, pad_token_id, stop_token_id, response_length, temperature=None):
+    """Sample (or, with temperature None, greedily decode) responses to left-padded queries."""
+    sampling = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) if temperature else dict(do_sample=False)
+    output = model.generate(
+        input_ids=queries, attention_mask=queries != pad_token_id, max_new_tokens=response_length,
+        eos_token_id=stop_token_id, pad_token_id=pad_token_id, **sampling,
+    )
+    return output[:, queries.shape[1]:]
+
+
+def vllm_gpu_index(args):
+    """Physical index of vLLM's GPU: --vllm-gpu, else the first GPU that no training rank uses (the
+    paper's placement), else rank 0's GPU (shared; lower --vllm-gpu-memory-utilization then)."""
+    if args.vllm_gpu is not None:
+        return args.vllm_gpu
+    import pynvml  # counts every GPU of the machine, also those CUDA_VISIBLE_DEVICES hides
+
+    pynvml.nvmlInit()
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    physical = [int(i) for i in visible.split(",")] if visible else list(range(pynvml.nvmlDeviceGetCount()))
+    training = physical[: int(os.environ.get("LOCAL_WORLD_SIZE", "1"))]
+    spare = [i for i in range(pynvml.nvmlDeviceGetCount()) if i not in training]
+    return spare[0] if spare else training[0]
+
+
+def start_vllm(args, model_path):
+    """A vLLM engine for `model_path`, running in its own process (vLLM's default) on its own device.
+
+    The engine process reads CUDA_VISIBLE_DEVICES (GPU) or VLLM_CPU_OMP_THREADS_BIND (CPU cores)
+    when it starts, so they are set around its construction and restored after."""
+    from vllm import LLM
+
+    engine_args = dict(model=model_path, dtype="bfloat16" if args.bf16 else "float32", seed=args.seed,
+                       max_model_len=args.max_prompt_length + args.response_length,
+                       enforce_eager=args.vllm_enforce_eager, trust_remote_code=args.trust_remote_code)
+    if torch.cuda.is_available():
+        env = {"CUDA_VISIBLE_DEVICES": str(vllm_gpu_index(args))}
+        engine_args["gpu_memory_utilization"] = args.vllm_gpu_memory_utilization
+    else:
+        cores = sorted(os.sched_getaffinity(0))[-args.vllm_cpu_cores:]
+        env = {"VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, cores))}
+        # vLLM on CPU would otherwise reserve most of the machine's memory for its KV cache; one
+        # generation batch needs keys and values of every layer for each of its sequences.
+        config = AutoConfig.from_pretrained(model_path, trust_remote_code=args.trust_remote_code)
+        per_token = 2 * config.num_hidden_layers * config.hidden_size * (2 if args.bf16 else 4)
+        engine_args["kv_cache_memory_bytes"] = max(2 * per_token * args.batch_size * engine_args["max_model_len"],
+                                                   64 * 2**20)
+        # A prompt whose prefill is split over steps makes vLLM rewind its seeded sampler, which
+        # torch's CPU generator cannot do; without chunked prefill every prompt is prefilled whole.
+        engine_args["enable_chunked_prefill"] = False
+    saved = {name: os.environ.get(name) for name in env}
+    os.environ.update(env)
+    try:
+        return LLM(**engine_args)
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name)
+            else:
+                os.environ[name] = value
+
+
+def vllm_generate(llm, prompts, k, response_length, stop_token_id, temperature, seed):
+    """k responses to each prompt from vLLM; sample j of prompt i is at index j * len(prompts) + i.
+
+    Each request has its own seed (seed + its index), so a batch depends on the weights and the
+    seed only, not on what vLLM generated before (which keeps resumed runs exact). Temperature 0
+    is greedy decoding. Like generate(), only the stop token ends a response, and it is kept."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    requests = [TokensPrompt(prompt_token_ids=prompt) for _ in range(k) for prompt in prompts]
+    sampling = [SamplingParams(temperature=temperature, top_k=0, top_p=1.0, max_tokens=response_length,
+                               ignore_eos=True, stop_token_ids=[stop_token_id], seed=seed + i)
+                for i in range(len(requests))]
+    return [list(output.outputs[0].token_ids) for output in llm.generate(requests, sampling, use_tqdm=False)]
+
+
+def load_into_vllm(llm, weights_path):
+    """Replace the engine's weights by those of a save_pretrained directory (vLLM's in-place reload,
+    run in the engine's worker process)."""
+    llm.collective_rpc("reload_weights", kwargs={"weights_path": weights_path})
+
+
+def truncate_response(responses, stop_token_id, pad_token_id):
+    """Replace everything after the first stop token (which stays), and from the first pad token, by padding."""
+    is_stop = responses == stop_token_id
+    after_stop = (is_stop.cumsum(1) - is_stop.long()) > 0
+    from_pad = (responses == pad_token_id).cumsum(1) > 0
+    return responses.masked_fill(after_stop | from_pad, pad_token_id)
+
+
+def forward(model, query_responses, pad_token_id):
+    """Run a model on left-padded queries followed by right-padded responses."""
+    attention_mask = query_responses != pad_token_id
+    position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
+    return model(input_ids=query_responses, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
+
+
+def response_logprobs(logits, responses, context_length, temperature):
+    """Log-probabilities of the response tokens under logits divided by the sampling temperature."""
+    logits = logits[:, context_length - 1: -1].float() / temperature
+    return torch.log_softmax(logits, dim=-1).gather(-1, responses.unsqueeze(-1)).squeeze(-1)
+
+
+@torch.no_grad()
+def reward_scores(model, query_responses, pad_token_id):
+    """One score per sequence, read at its last non-pad token."""
+    return forward(model, query_responses, pad_token_id).logits[:, 0].float()
+
+
+def disable_dropout(model):
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+
+
+def validate(args):
+    """Check the arguments before any model is loaded."""
+    if args.checkpoints is None:
+        fail("checkpoints", "required: a run directory, a checkpoint or a model")
+    check_model_path("checkpoints", args.checkpoints)
+    check_model_path("sft_model_path", args.sft_model_path)
+    if args.gold_reward_model_path is None:
+        fail("gold_reward_model_path", "required: the win rate is measured with a gold reward model")
+    check_model_path("gold_reward_model_path", args.gold_reward_model_path)
+    for name in ("temperature", "kl_temperature"):
+        if getattr(args, name) <= 0:
+            fail(name, f"must be positive, got {getattr(args, name)}")
+    for name in ("response_length", "max_prompt_length", "per_device_eval_batch_size"):
+        if getattr(args, name) < 1:
+            fail(name, f"must be at least 1, got {getattr(args, name)}")
+    if args.num_eval_prompts < 0:
+        fail("num_eval_prompts", "must be 0 (all) or more")
+    if args.backend not in ("auto", "vllm", "hf"):
+        fail("backend", f"must be auto, vllm or hf, got {args.backend!r}")
+    has_vllm = importlib.util.find_spec("vllm") is not None
+    if args.backend == "vllm" and not has_vllm:
+        fail("backend", "vllm is not installed")
+    args.backend = "vllm" if args.backend == "auto" and has_vllm else "hf" if args.backend == "auto" else args.backend
+    args.batch_size = args.per_device_eval_batch_size
+
+
+def find_checkpoints(path):
+    """The checkpoints of a run directory, by update; or `path` itself when it is a model."""
+    if not os.path.isdir(path) or os.path.isfile(os.path.join(path, "config.json")):
+        return [path]
+    updates = sorted(int(d.split("-")[1]) for d in os.listdir(path) if d.startswith("checkpoint-") and d[11:].isdigit())
+    if not updates:
+        fail("checkpoints", f"no checkpoint-<update> directory and no model in {path}")
+    return [os.path.join(path, f"checkpoint-{update}") for update in updates]
+
+
+def load_eval_data(args, tokenizer, stop_id):
+    """Tokenised prompts and reference responses (with the stop token appended) of the eval split."""
+    if not os.path.exists(args.dataset_name) and args.dataset_name.count("/") != 1:
+        fail("dataset_name", f"no such directory: {args.dataset_name}")
+    dataset = load_dataset(args.dataset_name)
+    if args.dataset_eval_split not in dataset:
+        fail("dataset_eval_split", f"dataset {args.dataset_name} has no split {args.dataset_eval_split!r} "
+                                   f"(it has {sorted(dataset)})")
+    split = dataset[args.dataset_eval_split]
+    for column, argument in (("query", "dataset_name"), (args.reference_column, "reference_column")):
+        if column not in split.column_names:
+            fail(argument, f"split {args.dataset_eval_split!r} has no {column!r} column (it has {split.column_names})")
+    if args.num_eval_prompts:
+        split = split.select(range(min(args.num_eval_prompts, len(split))))
+    prompts = [q[-args.max_prompt_length:] for q in
+               tokenizer(list(split["query"]), add_special_tokens=False)["input_ids"]]
+    references = [r[: args.response_length - 1] + [stop_id] if stop_id not in r[: args.response_length] else
+                  r[: r.index(stop_id) + 1] for r in
+                  tokenizer(list(split[args.reference_column]), add_special_tokens=False)["input_ids"]]
+    return prompts, references
+
+
+def sample(args, policy, llm, prompts, tokenizer, stop_id, temperature, seed, device):
+    """One response per prompt at `temperature`, truncated after the stop token, as a padded tensor."""
+    pad = tokenizer.pad_token_id
+    if llm is not None:
+        responses = right_pad(vllm_generate(llm, prompts, 1, args.response_length, stop_id, temperature, seed), pad,
+                              device)
+    else:
+        torch.manual_seed(seed)
+        chunks = [generate(policy, left_pad(prompts[i: i + args.per_device_eval_batch_size], pad, device), pad,
+                           stop_id, args.response_length, temperature)
+                  for i in range(0, len(prompts), args.per_device_eval_batch_size)]
+        responses = right_pad([row for chunk in chunks for row in chunk.tolist()], pad, device)
+    return truncate_response(responses, stop_id, pad)
+
+
+@torch.no_grad()
+def score(args, models, prompts, responses, pad, device):
+    """Per response, over batches: gold score, and the sums over response tokens of the policy's
+    and the SFT model's log-probabilities at kl_temperature and of the SFT model's at temperature 1."""
+    out = {name: [] for name in ("gold", "policy_logprob", "sft_logprob", "sft_nll", "length")}
+    for i in range(0, len(prompts), args.per_device_eval_batch_size):
+        queries = left_pad(prompts[i: i + args.per_device_eval_batch_size], pad, device)
+        chunk = responses[i: i + args.per_device_eval_batch_size]
+        context_length, mask = queries.shape[1], chunk != pad
+        query_responses = torch.cat([queries, chunk], 1)
+        out["gold"].append(reward_scores(models["gold"], query_responses, pad))
+        sft_logits = forward(models["sft"], query_responses, pad).logits
+        if "policy" in models:
+            policy_logits = forward(models["policy"], query_responses, pad).logits
+            for name, logits in (("policy_logprob", policy_logits), ("sft_logprob", sft_logits)):
+                out[name].append((response_logprobs(logits, chunk, context_length, args.kl_temperature) * mask).sum(1))
+        out["sft_nll"].append(-(response_logprobs(sft_logits, chunk, context_length, 1.0) * mask).sum(1))
+        out["length"].append(mask.sum(1))
+    return {name: torch.cat(values).float() for name, values in out.items() if values}
+
+
+def evaluate_checkpoint(args, checkpoint, models, llm, prompts, reference_gold, tokenizer, stop_id, device):
+    pad = tokenizer.pad_token_id
+    responses = sample(args, models["policy"], llm, prompts, tokenizer, stop_id, args.temperature, args.seed, device)
+    kl_samples = sample(args, models["policy"], llm, prompts, tokenizer, stop_id, args.kl_temperature,
+                        args.seed + 1, device)
+    evaluated = score(args, {"gold": models["gold"], "sft": models["sft"]}, prompts, responses, pad, device)
+    sampled = score(args, models, prompts, kl_samples, pad, device)
+    gold = evaluated["gold"]
+    perplexity = torch.exp(evaluated["sft_nll"] / evaluated["length"].clamp(min=1))
+    metrics = {
+        "win_rate": (gold > reference_gold).float().mean().item(),
+        "gold_score": gold.mean().item(),
+        "gold_margin": (gold - reference_gold).mean().item(),
+        "kl": (sampled["policy_logprob"] - sampled["sft_logprob"]).mean().item(),
+        "perplexity": perplexity.mean().item(),
+        "response_length": evaluated["length"].mean().item(),
+    }
+    samples = [[tokenizer.decode(prompts[i]), tokenizer.decode(responses[i][responses[i] != pad]), round(gold[i].item(), 3)]
+               for i in range(min(4, len(prompts)))]
+    return metrics, samples
+
+
+def update_of(checkpoint):
+    """The training update a checkpoint was saved at (None for a model that is not a checkpoint)."""
+    state = os.path.join(checkpoint, "trainer_state.json")
+    if not os.path.isfile(state):
+        return None
+    with open(state) as f:
+        return json.load(f)["update"]
+
+
+if __name__ == "__main__":
+    args = tyro.cli(Args)
+    validate(args)
+    checkpoints = find_checkpoints(args.checkpoints)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    torch.manual_seed(args.seed)
+
+    tokenizer = load_tokenizer(args.sft_model_path, args.trust_remote_code)
+    stop_id = stop_token_id(args, tokenizer)
+    prompts, references = load_eval_data(args, tokenizer, stop_id)
+    if load_tokenizer(args.gold_reward_model_path, args.trust_remote_code).get_vocab() != tokenizer.get_vocab():
+        fail("gold_reward_model_path", "the gold reward model's tokenizer differs from the SFT model's")
+    output = args.output or os.path.join(args.checkpoints if os.path.isdir(args.checkpoints) else ".",
+                                         "evaluation.json")
+
+    dtype = torch.bfloat16 if args.bf16 else torch.float32
+    load = dict(dtype=dtype, trust_remote_code=args.trust_remote_code)
+    models = {"sft": AutoModelForCausalLM.from_pretrained(args.sft_model_path, **load),
+              "gold": AutoModelForSequenceClassification.from_pretrained(args.gold_reward_model_path, num_labels=1,
+                                                                         **load)}
+    for model in models.values():
+        disable_dropout(model)
+        model.config.pad_token_id = tokenizer.pad_token_id
+        if len(tokenizer) > model.get_input_embeddings().num_embeddings:  # room for an added pad token
+            model.resize_token_embeddings(len(tokenizer))
+        model.to(device).eval()
+    pad = tokenizer.pad_token_id
+    reference_gold = score(args, models, prompts, right_pad(references, pad, device), pad, device)["gold"]
+
+    if args.track:
+        import wandb
+
+        wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, config=asdict(args),
+                   name=f"evaluate__{os.path.basename(os.path.abspath(args.checkpoints))}__{int(time.time())}")
+    llm = None
+    results = {}
+    print(f"{len(prompts)} prompts, {args.backend} generation; references: gold score "
+          f"{reference_gold.mean().item():.3f}", flush=True)
+    print(f"{'checkpoint':<40}{'update':>8}{'win rate':>10}{'gold':>9}{'KL':>9}{'perplexity':>12}{'length':>8}")
+    try:
+        for checkpoint in checkpoints:
+            policy = AutoModelForCausalLM.from_pretrained(checkpoint, **load).to(device).eval()
+            policy.config.pad_token_id = pad
+            policy.generation_config.pad_token_id = pad
+            disable_dropout(policy)
+            if args.backend == "vllm":
+                if llm is None:
+                    llm = start_vllm(args, checkpoint)
+                else:
+                    load_into_vllm(llm, checkpoint)
+            metrics, samples = evaluate_checkpoint(args, checkpoint, {**models, "policy": policy}, llm, prompts,
+                                                   reference_gold, tokenizer, stop_id, device)
+            update = update_of(checkpoint)
+            results[checkpoint] = {"update": update, **metrics}
+            print(f"{os.path.basename(checkpoint.rstrip('/')):<40}{'' if update is None else update:>8}"
+                  f"{metrics['win_rate']:>10.3f}{metrics['gold_score']:>9.3f}{metrics['kl']:>9.3f}"
+                  f"{metrics['perplexity']:>12.4f}{metrics['response_length']:>8.2f}", flush=True)
+            if args.track:
+                wandb.log({**{f"eval/{k}": v for k, v in metrics.items()}, "update": update or 0,
+                           "eval/samples": wandb.Table(columns=["query", "response", "gold score"], data=samples)})
+            del policy
+    finally:
+        if llm is not None:
+            llm.llm_engine.engine_core.shutdown(timeout=30)
+    with open(output, "w") as f:
+        json.dump({"args": asdict(args), "reference_gold_score": reference_gold.mean().item(),
+                   "checkpoints": results}, f, indent=1)
+    print(f"wrote {output}")
+    if args.track:
+        wandb.finish()

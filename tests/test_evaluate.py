@@ -1,0 +1,67 @@
+"""evaluate.py on the tiny task: gold win rate and KL of a run's checkpoints, with both backends."""
+
+import json
+import os
+import time
+
+import pytest
+from conftest import TINY, run_dir_of, run_script
+
+
+@pytest.fixture(scope="module")
+def trained_run(tmp_path_factory):
+    """50 updates of online DPO (lr 1e-4), checkpoints at updates 25 and 50."""
+    out = tmp_path_factory.mktemp("runs")
+    run_script("online_dpo.py", "--learning-rate", "1e-4", "--total-episodes", "3200", "--save-every", "25",
+               "--eval-every", "0", "--output-dir", str(out))
+    return run_dir_of(out)
+
+
+def _evaluate(*arguments):
+    run_script("evaluate.py", "--num-eval-prompts", "256", *arguments)
+
+
+def test_win_rate_and_kl_of_every_checkpoint_with_both_backends(trained_run, tmp_path):
+    _evaluate("--checkpoints", os.path.join(TINY, "sft"), "--backend", "hf", "--output", str(tmp_path / "sft.json"))
+    _evaluate("--checkpoints", trained_run, "--backend", "hf", "--output", str(tmp_path / "hf.json"))
+    _evaluate("--checkpoints", trained_run, "--backend", "vllm", "--vllm-enforce-eager")  # default output
+    sft = json.loads((tmp_path / "sft.json").read_text())
+    hf = json.loads((tmp_path / "hf.json").read_text())
+    with open(os.path.join(trained_run, "evaluation.json")) as f:
+        vllm = json.load(f)
+
+    (sft_metrics,) = sft["checkpoints"].values()
+    assert sft_metrics["kl"] == 0.0  # the SFT model against itself: identical log-probabilities
+    assert 0.1 < sft_metrics["win_rate"] < 0.4  # measured 0.24 on all 2000 test prompts: one-word answers
+    assert sft["reference_gold_score"] == pytest.approx(0.37, abs=0.05)  # the references' mean gold (build stats)
+
+    for results in (hf, vllm):
+        assert [c["update"] for c in results["checkpoints"].values()] == [25, 50]
+        first, last = results["checkpoints"].values()
+        # Training moves the policy away from the SFT model and past the references.
+        assert 0 < first["kl"] < last["kl"]
+        assert last["win_rate"] > sft_metrics["win_rate"] + 0.2  # measured 0.26 -> 0.57 on 256 prompts
+        assert last["perplexity"] > sft_metrics["perplexity"] >= 1.0
+    # Near-greedy responses (temperature 0.01) are the same whichever engine generates them.
+    for a, b in zip(hf["checkpoints"].values(), vllm["checkpoints"].values()):
+        assert b["win_rate"] == pytest.approx(a["win_rate"], abs=0.02)
+        assert b["gold_score"] == pytest.approx(a["gold_score"], abs=0.01)
+        assert b["response_length"] == pytest.approx(a["response_length"], abs=0.05)
+
+
+@pytest.mark.parametrize("arguments, argument", [
+    ([], "--checkpoints"),
+    (["--checkpoints", "/nonexistent/run"], "--checkpoints"),
+    (["--checkpoints", "assets/tiny/sft", "--backend", "tpu"], "--backend"),
+    (["--checkpoints", "assets/tiny/sft", "--temperature", "0"], "--temperature"),
+    (["--checkpoints", "assets/tiny/sft", "--gold-reward-model-path", "None"], "--gold-reward-model-path"),
+    (["--checkpoints", "assets/tiny/sft", "--reference-column", "summary"], "--reference-column"),
+])
+def test_bad_input_exits_2_with_one_line_naming_the_argument(arguments, argument):
+    started = time.time()
+    result = run_script("evaluate.py", *arguments, check=False)
+    assert result.returncode == 2, result.stderr[-2000:]
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and errors[0].startswith(f"error: {argument}:"), result.stderr[-2000:]
+    assert "Traceback" not in result.stderr
+    assert time.time() - started < 60
