@@ -39,7 +39,10 @@ DEEPSPEED = os.path.join(os.path.dirname(sys.executable), "deepspeed")
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_help_lists_every_argument_with_its_docstring(script):
     module = __import__(script[:-3])
-    for command in ([sys.executable, script, "--help"], [DEEPSPEED, "--num_accelerators", "1", script, "--help"]):
+    commands = [[sys.executable, script, "--help"]]
+    if script == "rloo.py":  # the same tyro parsing in every script: one check under the launcher is enough
+        commands.append([DEEPSPEED, "--num_accelerators", "1", script, "--help"])
+    for command in commands:
         text = " ".join(re.sub("[│╭╮╰╯─]", " ", run(command, env={"COLUMNS": "300"}).stdout).split())
         for field in module.Args.__dataclass_fields__:
             assert f"--{field.replace('_', '-')}" in text, field

@@ -1,0 +1,113 @@
+"""The paper's off-policy robustness experiment (its Figure 4) in miniature, on the tiny task, on a CPU.
+
+Each algorithm trains with N mini-batches per generation batch, N in {1, 2, 4, 8, 16}: one
+generation round feeds N optimizer steps, so the n-th step learns from samples of a policy n-1
+steps old. Every run takes the same number of optimizer steps on the same number of episodes
+(the generation batch grows with N). Each run's final policy is evaluated with evaluate.py
+(gold win rate against the references, KL to the SFT model), and the results go to a CSV and a
+plot of win rate against N and against KL.
+
+    python benchmark/tiny_offpolicy.py                         # 4 algorithms x 5 N x 2 seeds, about 40 min on 2 cores
+    python benchmark/tiny_offpolicy.py --seeds 1 --algorithms online_dpo ppo --n 1 16
+
+Results go to benchmark/results/ (tiny_offpolicy.csv, tiny_offpolicy.png) unless --out says otherwise.
+"""
+
+import argparse
+import csv
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ALGORITHMS = ["online_dpo", "ppo", "rloo", "bok"]
+
+
+def train_and_evaluate(algorithm, n, seed, options, tmp):
+    out = os.path.join(tmp, f"{algorithm}_{n}_{seed}")
+    started = time.time()
+    subprocess.run([sys.executable, f"{algorithm}.py", "--num-mini-batches", str(n), "--seed", str(seed),
+                    "--learning-rate", str(options.learning_rate), "--total-episodes", str(options.total_episodes),
+                    "--eval-every", "0", "--output-dir", out], cwd=ROOT, check=True,
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    (run_name,) = os.listdir(out)
+    subprocess.run([sys.executable, "evaluate.py", "--checkpoints", os.path.join(out, run_name), "--backend", "hf",
+                    "--num-eval-prompts", str(options.num_eval_prompts), "--seed", str(seed)], cwd=ROOT, check=True,
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    with open(os.path.join(out, run_name, "evaluation.json")) as f:
+        (metrics,) = json.load(f)["checkpoints"].values()
+    return {"algorithm": algorithm, "n": n, "seed": seed, "seconds": round(time.time() - started, 1),
+            **{k: metrics[k] for k in ("win_rate", "gold_score", "kl", "perplexity", "response_length")}}
+
+
+def plot(rows, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (by_n, by_kl) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for algorithm in dict.fromkeys(row["algorithm"] for row in rows):
+        mine = [row for row in rows if row["algorithm"] == algorithm]
+        ns = sorted({row["n"] for row in mine})
+        means = [sum(r["win_rate"] for r in mine if r["n"] == n) / len([r for r in mine if r["n"] == n]) for n in ns]
+        line, = by_n.plot(ns, means, marker="o", label=algorithm)
+        by_n.scatter([r["n"] for r in mine], [r["win_rate"] for r in mine], color=line.get_color(), alpha=0.35, s=12)
+        by_kl.scatter([r["kl"] for r in mine], [r["win_rate"] for r in mine], color=line.get_color(), label=algorithm,
+                      s=[18 + 10 * r["n"].bit_length() for r in mine], alpha=0.7)
+    by_n.set(xscale="log", xlabel="N (mini-batches per generation batch; more is more off-policy)",
+             ylabel="gold win rate vs references", title="Win rate against off-policyness")
+    by_n.set_xticks([1, 2, 4, 8, 16], labels=["1", "2", "4", "8", "16"])
+    by_kl.set(xlabel="KL to the SFT model (nats, on the policy's samples)", ylabel="gold win rate vs references",
+              title="Win rate against KL (marker size grows with N)")
+    for axis in (by_n, by_kl):
+        axis.grid(alpha=0.3)
+        axis.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--algorithms", nargs="+", default=ALGORITHMS, choices=ALGORITHMS)
+    parser.add_argument("--n", nargs="+", type=int, default=[1, 2, 4, 8, 16], help="mini-batches per generation batch")
+    parser.add_argument("--seeds", type=int, default=2, help="seeds per setting (1, 2, ...)")
+    parser.add_argument("--total-episodes", type=int, default=8192,
+                        help="episodes per run: 128 optimizer steps of 64 responses, 8 generation rounds at N = 16")
+    parser.add_argument("--learning-rate", type=float, default=1e-4)
+    parser.add_argument("--num-eval-prompts", type=int, default=512)
+    parser.add_argument("--out", default=os.path.join(ROOT, "benchmark", "results"))
+    options = parser.parse_args()
+    os.makedirs(options.out, exist_ok=True)
+
+    rows, started = [], time.time()
+    with tempfile.TemporaryDirectory() as tmp:
+        for seed in range(1, options.seeds + 1):
+            for algorithm in options.algorithms:
+                for n in options.n:
+                    rows.append(train_and_evaluate(algorithm, n, seed, options, tmp))
+                    row = rows[-1]
+                    print(f"{algorithm:>11} N={n:<3} seed {seed}: win rate {row['win_rate']:.3f}, gold "
+                          f"{row['gold_score']:.3f}, KL {row['kl']:.2f} ({row['seconds']:.0f} s)", flush=True)
+    with open(os.path.join(options.out, "tiny_offpolicy.csv"), "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    plot(rows, os.path.join(options.out, "tiny_offpolicy.png"))
+
+    print(f"\nmean gold win rate (KL) over {options.seeds} seed(s), {time.time() - started:.0f} s in all")
+    print(f"{'':>11}" + "".join(f"{'N=' + str(n):>16}" for n in options.n))
+    for algorithm in options.algorithms:
+        cells = []
+        for n in options.n:
+            mine = [r for r in rows if r["algorithm"] == algorithm and r["n"] == n]
+            cells.append(f"{sum(r['win_rate'] for r in mine) / len(mine):.3f} ({sum(r['kl'] for r in mine) / len(mine):.1f})")
+        print(f"{algorithm:>11}" + "".join(f"{c:>16}" for c in cells))
+    print(f"wrote {options.out}/tiny_offpolicy.csv and tiny_offpolicy.png")
+
+
+if __name__ == "__main__":
+    main()
