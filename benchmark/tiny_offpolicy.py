@@ -7,7 +7,7 @@ steps old. Every run takes the same number of optimizer steps on the same number
 (gold win rate against the references, KL to the SFT model), and the results go to a CSV and a
 plot of win rate against N and against KL.
 
-    python benchmark/tiny_offpolicy.py                         # 4 algorithms x 5 N x 2 seeds, about 40 min on 2 cores
+    python benchmark/tiny_offpolicy.py                         # 4 algorithms x 5 N x 2 seeds, about 30 min on 2 cores
     python benchmark/tiny_offpolicy.py --seeds 1 --algorithms online_dpo ppo --n 1 16
 
 Results go to benchmark/results/ (tiny_offpolicy.csv, tiny_offpolicy.png) unless --out says otherwise.
@@ -75,8 +75,9 @@ def main():
     parser.add_argument("--algorithms", nargs="+", default=ALGORITHMS, choices=ALGORITHMS)
     parser.add_argument("--n", nargs="+", type=int, default=[1, 2, 4, 8, 16], help="mini-batches per generation batch")
     parser.add_argument("--seeds", type=int, default=2, help="seeds per setting (1, 2, ...)")
-    parser.add_argument("--total-episodes", type=int, default=8192,
-                        help="episodes per run: 128 optimizer steps of 64 responses, 8 generation rounds at N = 16")
+    parser.add_argument("--total-episodes", type=int, default=4096,
+                        help="episodes per run: 64 optimizer steps of 64 responses (4 generation rounds at N = 16), "
+                             "short enough that the on-policy runs have not saturated")
     parser.add_argument("--learning-rate", type=float, default=1e-4)
     parser.add_argument("--num-eval-prompts", type=int, default=512)
     parser.add_argument("--out", default=os.path.join(ROOT, "benchmark", "results"))
