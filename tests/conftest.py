@@ -6,6 +6,7 @@ import math
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -50,3 +51,14 @@ def assert_finite(rows):
     for row in rows:
         for key, value in row.items():
             assert isinstance(value, (int, float)) and math.isfinite(value), f"{key} = {value} at update {row['update']}"
+
+
+def assert_bad_input(script, arguments, argument):
+    """The script must exit 2 within a minute, with exactly one `error: --<argument>: ...` line and no traceback."""
+    started = time.time()
+    result = run_script(script, *arguments, check=False)
+    assert result.returncode == 2, result.stderr[-2000:]
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and errors[0].startswith(f"error: {argument}:"), result.stderr[-2000:]
+    assert "Traceback" not in result.stderr
+    assert time.time() - started < 60
