@@ -38,7 +38,8 @@ from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
 from deepspeed.runtime.zero.stage3 import unwrap_model_for_generation
 from tqdm import tqdm
-from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification,
+                          AutoTokenizer, StaticCache)
 
 
 @dataclass
@@ -231,13 +232,36 @@ def left_pad(sequences, pad_token_id, device):
 
 @torch.no_grad()
 def generate(model, queries, pad_token_id, stop_token_id, response_length, temperature=None):
-    """Sample (or, with temperature None, greedily decode) responses to left-padded queries."""
-    sampling = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) if temperature else dict(do_sample=False)
-    output = model.generate(
-        input_ids=queries, attention_mask=queries != pad_token_id, max_new_tokens=response_length,
-        eos_token_id=stop_token_id, pad_token_id=pad_token_id, **sampling,
-    )
-    return output[:, queries.shape[1]:]
+    """Sample (or, with temperature None, greedily decode) responses to left-padded queries.
+
+    The decoding loop of HF `generate` (same tokens for the same seed) with a preallocated KV cache and
+    without its per-step machinery (logits processors, stopping criteria), which costs more than the
+    arithmetic of a small model. After its stop token a response gets padding; the loop ends when all
+    responses have one."""
+    attention_mask = queries != pad_token_id
+    position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
+    cache = StaticCache(config=model.config, max_cache_len=queries.shape[1] + response_length)
+    cache_position = torch.arange(queries.shape[1], device=queries.device)
+    finished = torch.zeros(len(queries), dtype=torch.bool, device=queries.device)
+    inputs, tokens = queries, []
+    for _ in range(response_length):
+        logits = model(input_ids=inputs, attention_mask=attention_mask, position_ids=position_ids,
+                       past_key_values=cache, cache_position=cache_position, use_cache=True,
+                       logits_to_keep=1).logits[:, -1].float()
+        if temperature:
+            token = torch.multinomial(torch.softmax(logits / temperature, dim=-1), num_samples=1).squeeze(1)
+        else:
+            token = logits.argmax(-1)
+        token = token.masked_fill(finished, pad_token_id)
+        tokens.append(token)
+        finished |= token == stop_token_id
+        if finished.all():
+            break
+        inputs = token.unsqueeze(1)
+        attention_mask = torch.cat([attention_mask, torch.ones_like(inputs, dtype=torch.bool)], 1)
+        position_ids = position_ids[:, -1:] + 1
+        cache_position = cache_position[-1:] + 1
+    return torch.stack(tokens, 1)
 
 
 def truncate_response(responses, stop_token_id, pad_token_id):

@@ -47,7 +47,8 @@ from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
 from deepspeed.runtime.zero.stage3 import unwrap_model_for_generation
 from tqdm import tqdm
-from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification,
+                          AutoTokenizer, StaticCache)
 
 
 @dataclass
@@ -271,13 +272,36 @@ def left_pad(sequences, pad_token_id, device):
 
 @torch.no_grad()
 def generate(model, queries, pad_token_id, stop_token_id, response_length, temperature=None):
-    """Sample (or, with temperature None, greedily decode) responses to left-padded queries."""
-    sampling = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) if temperature else dict(do_sample=False)
-    output = model.generate(
-        input_ids=queries, attention_mask=queries != pad_token_id, max_new_tokens=response_length,
-        eos_token_id=stop_token_id, pad_token_id=pad_token_id, **sampling,
-    )
-    return output[:, queries.shape[1]:]
+    """Sample (or, with temperature None, greedily decode) responses to left-padded queries.
+
+    The decoding loop of HF `generate` (same tokens for the same seed) with a preallocated KV cache and
+    without its per-step machinery (logits processors, stopping criteria), which costs more than the
+    arithmetic of a small model. After its stop token a response gets padding; the loop ends when all
+    responses have one."""
+    attention_mask = queries != pad_token_id
+    position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
+    cache = StaticCache(config=model.config, max_cache_len=queries.shape[1] + response_length)
+    cache_position = torch.arange(queries.shape[1], device=queries.device)
+    finished = torch.zeros(len(queries), dtype=torch.bool, device=queries.device)
+    inputs, tokens = queries, []
+    for _ in range(response_length):
+        logits = model(input_ids=inputs, attention_mask=attention_mask, position_ids=position_ids,
+                       past_key_values=cache, cache_position=cache_position, use_cache=True,
+                       logits_to_keep=1).logits[:, -1].float()
+        if temperature:
+            token = torch.multinomial(torch.softmax(logits / temperature, dim=-1), num_samples=1).squeeze(1)
+        else:
+            token = logits.argmax(-1)
+        token = token.masked_fill(finished, pad_token_id)
+        tokens.append(token)
+        finished |= token == stop_token_id
+        if finished.all():
+            break
+        inputs = token.unsqueeze(1)
+        attention_mask = torch.cat([attention_mask, torch.ones_like(inputs, dtype=torch.bool)], 1)
+        position_ids = position_ids[:, -1:] + 1
+        cache_position = cache_position[-1:] + 1
+    return torch.stack(tokens, 1)
 
 
 def vllm_gpu_index(args):
@@ -775,32 +799,26 @@ if __name__ == "__main__":
         padding_mask = responses == pad  # everything after the response
         t1 = time.time()
 
-        # 2. Score: log-probabilities under the policy and the reference, reward-model scores.
-        logprobs, ref_logprobs, scores = [], [], []
+        # 2. Score: log-probabilities under the reference and reward-model scores. The policy's log-probabilities
+        #    come from the training forward in step 4 (DPO's loss needs no others), and so does the logged KL.
+        ref_logprobs, scores = [], []
         with torch.no_grad():
             for i in range(0, len(query_responses), args.per_device_train_batch_size):
                 chunk = query_responses[i: i + args.per_device_train_batch_size]
-                chunk_responses = chunk[:, context_length:]
-                logprobs.append(response_logprobs(forward(policy, chunk, pad).logits, chunk_responses,
-                                                  context_length, args.temperature))
-                ref_logprobs.append(response_logprobs(forward(ref_policy, chunk, pad).logits, chunk_responses,
+                ref_logprobs.append(response_logprobs(forward(ref_policy, chunk, pad).logits, chunk[:, context_length:],
                                                       context_length, args.temperature))
                 scores.append(reward_scores(reward_model, chunk, pad))
-        logprobs = torch.cat(logprobs).masked_fill(padding_mask, 0.0)
         ref_logprobs = torch.cat(ref_logprobs).masked_fill(padding_mask, 0.0)
         raw_scores = torch.cat(scores)
         scores = apply_missing_eos_penalty(raw_scores, responses, stop_id, args.missing_eos_penalty)
 
         # 3. Pairs: the best and the worst response to each prompt.
         chosen, rejected = select_pairs(scores, args.k)
-        kl = (logprobs - ref_logprobs).sum(1)
-        non_score_reward = -args.beta * kl
-        rlhf_reward = scores + non_score_reward
         t2 = time.time()
 
         # 4. DPO updates over mini-batches of the prompts; each micro-batch holds whole prompts.
         stats = {name: [] for name in ("loss", "chosen_logps", "rejected_logps", "chosen_rewards", "rejected_rewards",
-                                       "accuracy", "entropy")}
+                                       "accuracy", "entropy", "kl", "logps")}
         num_prompts = args.local_batch_size // args.k
         mini_batch_prompts = num_prompts // args.num_mini_batches
         micro_batch_prompts = args.per_device_train_batch_size // args.k
@@ -827,6 +845,8 @@ if __name__ == "__main__":
                         stats["rejected_rewards"].append(args.beta * rejected_logratios.mean())
                         stats["accuracy"].append((chosen_logratios > rejected_logratios).float().mean())
                         stats["entropy"].append(masked_mean(entropy, ~padding_mask[idx]))
+                        stats["kl"].append(new_logratios.mean())  # KL of the trained responses (all, when k = 2)
+                        stats["logps"].append(new_logprobs.mean())
         t3 = time.time()
 
         # 5. Hand the new weights to vLLM, if a later batch is to be generated by them.
@@ -844,10 +864,10 @@ if __name__ == "__main__":
             "objective/scores": scores.mean().item(),
             "objective/raw_scores": raw_scores.mean().item(),
             "objective/scores_margin": (scores[chosen] - scores[rejected]).mean().item(),
-            "objective/kl": kl.mean().item(),
-            "objective/non_score_reward": non_score_reward.mean().item(),
-            "objective/rlhf_reward": rlhf_reward.mean().item(),
-            "objective/entropy": (-logprobs).sum(1).mean().item(),
+            "objective/kl": mean["kl"],
+            "objective/non_score_reward": -args.beta * mean["kl"],
+            "objective/rlhf_reward": scores.mean().item() - args.beta * mean["kl"],
+            "objective/entropy": -mean["logps"],
             "policy/entropy_avg": mean["entropy"],
             "loss/policy_avg": mean["loss"],
             "logps/chosen": mean["chosen_logps"],

@@ -164,6 +164,21 @@ def test_resume_after_a_kill_reproduces_the_uninterrupted_run(tmp_path, command)
             assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-6), (a["update"], key)
 
 
+def test_one_step_batches_reuse_the_training_forward_and_match_accumulated_micro_batches(tmp_path):
+    """rloo.py trains a batch in one step (the default: one epoch, one micro-batch) with the policy's
+    log-probabilities taken from the training forward, where the ratio is exactly 1; with two accumulated
+    micro-batches it computes them in a separate no-grad pass. The optimizer steps are the same."""
+    common = ["rloo.py", "--total-episodes", "192", "--eval-every", "0", "--num-eval-prompts", "64"]
+    run_script(*common, "--output-dir", str(tmp_path / "one"))
+    run_script(*common, "--per-device-train-batch-size", "32", "--gradient-accumulation-steps", "2",
+               "--output-dir", str(tmp_path / "two"))
+    one, two = (algorithm_metrics(read_metrics(run_dir_of(tmp_path / name))) for name in ("one", "two"))
+    assert len(one) == len(two) == 4 and all(row["val/ratio"] == 1.0 for row in one[1:])
+    for a, b in zip(one, two):
+        for key in a.keys() - {"policy/entropy_avg"}:  # a mean of per-micro-batch token means
+            assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), (a["update"], key)
+
+
 # (script, its own arguments, updates of 2 ranks x 32 responses). online_dpo_vllm.py runs 5 updates
 # 2 policies late: batches 4 and 5 come from weights that rank 0 gathered (ZeRO-3) and pushed to vLLM.
 TWO_PROCESS = [("rloo.py", [], 3), ("online_dpo.py", [], 3), ("ppo.py", [], 3),
