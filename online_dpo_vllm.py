@@ -739,10 +739,11 @@ if __name__ == "__main__":
         start_update, episode = load_checkpoint(latest_checkpoint(args.resume), {"policy": policy})
 
     # vLLM on rank 0, started from the learner's weights (version start_update: the SFT policy, or
-    # the resumed one). Weights move through a directory in memory (/dev/shm) where there is one.
+    # the resumed one). Weights move through a directory in memory (/dev/shm) where there is one;
+    # rank 0's process id keeps two runs of one name (a sweep started in the same second) apart.
     lag = 0 if args.sync else args.off_policy_steps
     weights_dir = os.path.join("/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir(),
-                               f"{run_name[0]}-weights")
+                               f"{run_name[0]}-{os.getpid()}-weights")
     save_for_vllm(policy, os.path.join(weights_dir, f"policy-{start_update}"))
     if rank == 0:
         tokenizer.save_pretrained(os.path.join(weights_dir, f"policy-{start_update}"))

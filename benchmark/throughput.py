@@ -9,12 +9,13 @@ precision, then round 2, ...) so that a slow patch of the machine hits all of th
 per second are timed from the end of the 2nd update to the end of the last (start-up, compilation
 and the first updates' warm-up excluded), and the table shows their minimum and median over rounds,
 our ratio to TRL at the same precision, our per-phase split (seconds per update) and the training
-phase's useful FLOP/s (6 x matmul parameters x real tokens) against this machine's matmul peak,
-measured in the same invocation.
+phase's useful FLOP/s (2 x matmul parameters x passes x real tokens) against this machine's matmul
+peak, measured in the same invocation; then HF `generate` against the scripts' decoding loop on one
+batch. docs/performance.md has the results and what they mean.
 
     pip install -r requirements-bench.txt        # TRL, on top of the CPU install
-    python benchmark/throughput.py               # 3 rounds, fp32 and bf16, ours and TRL: about 25 minutes
-    python benchmark/throughput.py --quick       # CI: our scripts once, fp32, a few updates, no TRL
+    python benchmark/throughput.py               # 3 rounds, fp32 and bf16, ours and TRL: about 22 minutes
+    python benchmark/throughput.py --quick       # CI: our scripts once, fp32, 6 updates, no TRL
 """
 
 import argparse
@@ -109,6 +110,34 @@ def matmul_peak(dtype, size=2048, repeats=10):
     return 2 * size ** 3 / best
 
 
+def generation_seconds(workload, dtype, repeats=5):
+    """Seconds per batch of HF `generate` and of the scripts' `generate` (same tokens), best of `repeats`,
+    on the workload's policy and one batch of its prompts."""
+    sys.path.insert(0, ROOT)
+    import rloo  # every script has the same `generate`
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(f"{workload}/policy")
+    model = AutoModelForCausalLM.from_pretrained(f"{workload}/policy", dtype=dtype).eval()
+    with open(f"{workload}/data/train.jsonl") as f:
+        prompts = [json.loads(line)["query"] for line in f][:PROMPTS]
+    pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id
+    queries = rloo.left_pad(tokenizer(prompts)["input_ids"], pad, "cpu").repeat(COMPLETIONS, 1)
+    ways = {
+        "HF generate": lambda: model.generate(input_ids=queries, attention_mask=queries != pad, do_sample=True,
+                                              temperature=TEMPERATURE, top_k=0, top_p=1.0, max_new_tokens=NEW_TOKENS,
+                                              eos_token_id=eos, pad_token_id=pad),
+        "ours": lambda: rloo.generate(model, queries, pad, eos, NEW_TOKENS, TEMPERATURE),
+    }
+    best = {name: float("inf") for name in ways}
+    for _ in range(repeats + 1):  # the first call of each is a warm-up
+        for name, way in ways.items():
+            start = time.perf_counter()
+            way()
+            best[name] = min(best[name], time.perf_counter() - start)
+    return best
+
+
 def run_ours(script, precision, workload, updates, output_dir, quick):
     command = [sys.executable, script, *OURS[script], "--sft-model-path", f"{workload}/policy",
                "--reward-model-path", f"{workload}/reward", "--gold-reward-model-path", "None",
@@ -185,7 +214,7 @@ def main():
     parser.add_argument("--precision", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16"])
     parser.add_argument("--scripts", nargs="*", default=list(OURS), choices=list(OURS))
     parser.add_argument("--no-trl", action="store_true", help="skip TRL (it is not in the user's install)")
-    parser.add_argument("--quick", action="store_true", help="one round, fp32, 4 updates, no TRL (for CI)")
+    parser.add_argument("--quick", action="store_true", help="one round, fp32, 6 updates, no TRL (for CI)")
     parser.add_argument("--trl-worker", choices=["rloo", "online_dpo"], help=argparse.SUPPRESS)
     parser.add_argument("--workload", help=argparse.SUPPRESS)
     parser.add_argument("--output", help=argparse.SUPPRESS)
@@ -193,20 +222,23 @@ def main():
     if options.trl_worker:
         return trl_worker(options.trl_worker, options.precision[0], options.workload, options.updates, options.output)
     if options.quick:
-        options.rounds, options.updates, options.precision, options.no_trl = 1, 4, ["fp32"], True
+        options.rounds, options.updates, options.precision, options.no_trl = 1, 6, ["fp32"], True
     if options.updates < 4:
         parser.error("--updates: at least 4 (2 warm-up updates, then at least 2 timed)")
 
     systems = list(options.scripts) + ([] if options.no_trl else ["trl RLOOTrainer", "trl OnlineDPOTrainer"])
     results = {(system, precision): [] for system in systems for precision in options.precision}
     peaks = {precision: 0.0 for precision in options.precision}
+    generation = {precision: [] for precision in options.precision}
     with tempfile.TemporaryDirectory() as tmp:
         workload = os.path.join(tmp, "workload")
         prompt_length = build_workload(workload)
         policy_params, value_params = matmul_params(f"{workload}/policy"), matmul_params(f"{workload}/reward")
         for round_ in range(1, options.rounds + 1):
             for precision in options.precision:
-                peaks[precision] = max(peaks[precision], matmul_peak(torch.float32 if precision == "fp32" else torch.bfloat16))
+                dtype = torch.float32 if precision == "fp32" else torch.bfloat16
+                peaks[precision] = max(peaks[precision], matmul_peak(dtype))
+                generation[precision].append(generation_seconds(workload, dtype))
                 for system in systems:
                     print(f"round {round_}/{options.rounds}, {precision}: {system} ...", flush=True)
                     output_dir = tempfile.mkdtemp(dir=tmp)
@@ -244,6 +276,10 @@ def main():
                          f"{phase['training']:6.3f}{phase['weight_sync']:6.3f}"
                          f"   {phase['train_flops'] / 1e9:13.1f}{phase['train_flops'] / peaks[precision]:8.0%}")
             print(line)
+    for precision in options.precision:
+        seconds = {name: statistics.median(g[name] for g in generation[precision]) for name in generation[precision][0]}
+        print(f"\n{precision} generation of one batch, {BATCH} x {NEW_TOKENS} tokens (median of best-of-5): "
+              + ", ".join(f"{name} {value:.3f} s" for name, value in seconds.items()))
     print("\neps: episodes (sampled responses) per second; x TRL: median over median, against the TRL trainer of the"
           "\nsame algorithm; phases: median seconds per update (wait: the vLLM learner's wait for a batch)")
 

@@ -5,6 +5,7 @@ import math
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -34,6 +35,13 @@ ALGORITHM_METRICS = {
                "policy/clipfrac_avg", "val/clipfrac_avg", "val/ratio", "val/ratio_var", "val/explained_variance"],
 }
 DEEPSPEED = os.path.join(os.path.dirname(sys.executable), "deepspeed")
+
+
+def free_port():
+    """A free port for the launcher's rendezvous (its default, 29500, may be in use on a shared machine)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
@@ -190,7 +198,7 @@ def test_two_process_deepspeed_zero2_and_zero3_train_the_same_model(tmp_path, sc
     runs = {}
     for stage in (2, 3):
         out = tmp_path / f"zero{stage}"
-        run([DEEPSPEED, "--num_accelerators", "2", script, *arguments, "--deepspeed-config",
+        run([DEEPSPEED, "--num_accelerators", "2", "--master_port", str(free_port()), script, *arguments, "--deepspeed-config",
              f"ds_configs/zero{stage}.json", "--per-device-train-batch-size", "32", "--total-episodes",
              str(64 * updates), "--output-dir", str(out)])
         rows = read_metrics(run_dir_of(out))
