@@ -188,8 +188,9 @@ def test_one_step_batches_reuse_the_training_forward_and_match_accumulated_micro
 
 
 # (script, its own arguments, updates of 2 ranks x 32 responses). online_dpo_vllm.py runs 5 updates
-# 2 policies late: batches 4 and 5 come from weights that rank 0 gathered (ZeRO-3) and pushed to vLLM.
-TWO_PROCESS = [("rloo.py", [], 3), ("online_dpo.py", [], 3), ("ppo.py", [], 3),
+# 2 policies late: batches 4 and 5 come from weights that rank 0 gathered (ZeRO-3) and pushed to vLLM;
+# its DPO update is online_dpo.py's, line for line, so online_dpo.py is not run again here.
+TWO_PROCESS = [("rloo.py", [], 3), ("ppo.py", [], 3),
                ("online_dpo_vllm.py", ["--off-policy-steps", "2", "--vllm-enforce-eager"], 5)]
 
 
