@@ -71,8 +71,8 @@ class Args:
     """prompts per HF generation and per forward pass"""
     seed: int = 1
     """random seed"""
-    bf16: bool = torch.cuda.is_available()
-    """train and generate in bfloat16 (default: on when a GPU is present)"""
+    bf16: bool = torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+    """train and generate in bfloat16 (default: on when a GPU that supports it is present)"""
     output: Optional[str] = None
     """JSON file for the results (default: evaluation.json in the run directory, or in the checkpoint)"""
     track: bool = False
@@ -83,8 +83,8 @@ class Args:
     """wandb entity (team or user)"""
     vllm_gpu: Optional[int] = None
     """GPU for vLLM (physical index); default: the first GPU no training rank uses, else rank 0's GPU"""
-    vllm_gpu_memory_utilization: float = 0.9
-    """share of its GPU's memory vLLM may take for weights and KV cache (lower it when it shares a training GPU)"""
+    vllm_gpu_memory_utilization: Optional[float] = None
+    """share of its GPU's memory vLLM may take (default: 0.9 of a GPU of its own, half the free memory of one it shares with training)"""
     vllm_cpu_cores: int = 1
     """without a GPU: CPU cores for vLLM (the learner keeps the others)"""
     vllm_enforce_eager: bool = False
@@ -176,19 +176,41 @@ def generate(model, queries, pad_token_id, stop_token_id, response_length, tempe
     return torch.stack(tokens, 1)
 
 
-def vllm_gpu_index(args):
-    """Physical index of vLLM's GPU: --vllm-gpu, else the first GPU that no training rank uses (the
-    paper's placement), else rank 0's GPU (shared; lower --vllm-gpu-memory-utilization then)."""
-    if args.vllm_gpu is not None:
-        return args.vllm_gpu
-    import pynvml  # counts every GPU of the machine, also those CUDA_VISIBLE_DEVICES hides
+def vllm_gpu_placement(env, num_node_gpus, vllm_gpu=None):
+    """vLLM's GPU: (the CUDA_VISIBLE_DEVICES entry for its engine, the CUDA index on rank 0 of the training GPU
+    it shares, or None when it has a GPU of its own). A pure function of the launcher's environment.
 
-    pynvml.nvmlInit()
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    physical = [int(i) for i in visible.split(",")] if visible else list(range(pynvml.nvmlDeviceGetCount()))
-    training = physical[: int(os.environ.get("LOCAL_WORLD_SIZE", "1"))]
-    spare = [i for i in range(pynvml.nvmlDeviceGetCount()) if i not in training]
-    return spare[0] if spare else training[0]
+    Training ranks use the first entries of CUDA_VISIBLE_DEVICES (all GPUs when unset), one per local rank:
+    deepspeed's launcher says how many in LOCAL_SIZE (and sets CUDA_VISIBLE_DEVICES to exactly those), torchrun
+    in LOCAL_WORLD_SIZE, a `python` launch is one rank. vLLM takes --vllm-gpu, else the next visible entry,
+    else (deepspeed only: its --num_gpus hid the rest of the node) the first of the node's GPUs that no rank
+    uses, else it shares rank 0's GPU. Entries are CUDA's own (indices in CUDA's order, UUIDs or MIG names),
+    passed on unchanged, so NVML's other numbering never enters; NVML only counts the node's GPUs."""
+    visible = env.get("CUDA_VISIBLE_DEVICES")
+    entries = [e.strip() for e in visible.split(",") if e.strip()] if visible else [str(i) for i in range(num_node_gpus)]
+    local_ranks = int(env.get("LOCAL_SIZE") or env.get("LOCAL_WORLD_SIZE") or 1)
+    training, rest = entries[:local_ranks], entries[local_ranks:]
+    if vllm_gpu is not None:
+        choice = str(vllm_gpu)
+    elif rest:
+        choice = rest[0]
+    elif "LOCAL_SIZE" in env and all(e.isdigit() for e in training) and len(training) < num_node_gpus:
+        choice = next(str(i) for i in range(num_node_gpus) if str(i) not in training)
+    else:
+        choice = training[0]
+    return choice, (entries.index(choice) if choice in training else None)
+
+
+def vllm_memory_share(requested, free_bytes, total_bytes, gpu):
+    """vLLM's gpu_memory_utilization on a GPU it shares with training: vLLM refuses to start unless that share of
+    the GPU's total memory is free, and the learner's models are already there. By default vLLM takes half of what
+    is free (the other half is for the learner's activations and optimizer state)."""
+    share = requested if requested is not None else int(50 * free_bytes / total_bytes) / 100
+    if share * total_bytes > free_bytes or (requested is None and share * total_bytes < 2**30):
+        fail("vllm_gpu_memory_utilization", f"GPU {gpu}, shared with training, has {free_bytes / 2**30:.1f} of "
+                                            f"{total_bytes / 2**30:.1f} GiB free, too little for vLLM to take "
+                                            f"{share:.2f} of it (give vLLM a GPU of its own with --vllm-gpu)")
+    return share
 
 
 def start_vllm(args, model_path):
@@ -202,8 +224,17 @@ def start_vllm(args, model_path):
                        max_model_len=args.max_prompt_length + args.response_length,
                        enforce_eager=args.vllm_enforce_eager, trust_remote_code=args.trust_remote_code)
     if torch.cuda.is_available():
-        env = {"CUDA_VISIBLE_DEVICES": str(vllm_gpu_index(args))}
-        engine_args["gpu_memory_utilization"] = args.vllm_gpu_memory_utilization
+        import pynvml  # counts the node's GPUs, also those the deepspeed launcher hid from this process
+
+        pynvml.nvmlInit()
+        gpu, shared = vllm_gpu_placement(os.environ, pynvml.nvmlDeviceGetCount(), args.vllm_gpu)
+        share = 0.9 if args.vllm_gpu_memory_utilization is None else args.vllm_gpu_memory_utilization
+        if shared is not None:
+            share = vllm_memory_share(args.vllm_gpu_memory_utilization, *torch.cuda.mem_get_info(shared), gpu)
+            print(f"vLLM shares GPU {gpu} with training and takes {share:.2f} of its memory "
+                  "(--vllm-gpu-memory-utilization); it has no GPU of its own", flush=True)
+        env = {"CUDA_VISIBLE_DEVICES": gpu}
+        engine_args["gpu_memory_utilization"] = share
     else:
         cores = sorted(os.sched_getaffinity(0))[-args.vllm_cpu_cores:]
         env = {"VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, cores))}
@@ -246,8 +277,10 @@ def vllm_generate(llm, prompts, k, response_length, stop_token_id, temperature, 
 
 def load_into_vllm(llm, weights_path):
     """Replace the engine's weights by those of a save_pretrained directory (vLLM's in-place reload,
-    run in the engine's worker process)."""
+    run in the engine's worker process). The prefix cache is emptied: its keys are token ids, not
+    weights, so prompts sharing a cached prefix would reuse keys and values of the old weights."""
     llm.collective_rpc("reload_weights", kwargs={"weights_path": weights_path})
+    llm.reset_prefix_cache()
 
 
 def truncate_response(responses, stop_token_id, pad_token_id):
@@ -300,6 +333,10 @@ def validate(args):
             fail(name, f"must be at least 1, got {getattr(args, name)}")
     if args.num_eval_prompts < 0:
         fail("num_eval_prompts", "must be 0 (all) or more")
+    if args.vllm_gpu_memory_utilization is not None and not 0 < args.vllm_gpu_memory_utilization <= 1:
+        fail("vllm_gpu_memory_utilization", f"must be in (0, 1], got {args.vllm_gpu_memory_utilization}")
+    if args.bf16 and torch.cuda.is_available() and not torch.cuda.is_bf16_supported():
+        fail("bf16", "this GPU does not support bfloat16; evaluate in float32 with --no-bf16")
     if args.backend not in ("auto", "vllm", "hf"):
         fail("backend", f"must be auto, vllm or hf, got {args.backend!r}")
     has_vllm = importlib.util.find_spec("vllm") is not None
@@ -357,16 +394,25 @@ def sample(args, policy, llm, prompts, tokenizer, stop_id, temperature, seed, de
 
 
 @torch.no_grad()
-def score(args, models, prompts, responses, pad, device):
+def score(args, models, prompts, responses, tokenizers, device):
     """Per response, over batches: gold score, and the sums over response tokens of the policy's
-    and the SFT model's log-probabilities at kl_temperature and of the SFT model's at temperature 1."""
+    and the SFT model's log-probabilities at kl_temperature and of the SFT model's at temperature 1.
+    `tokenizers` are the policy's and, when its vocabulary differs, the gold model's (else None)."""
+    tokenizer, gold_tokenizer = tokenizers
+    pad = tokenizer.pad_token_id
     out = {name: [] for name in ("gold", "policy_logprob", "sft_logprob", "sft_nll", "length")}
     for i in range(0, len(prompts), args.per_device_eval_batch_size):
         queries = left_pad(prompts[i: i + args.per_device_eval_batch_size], pad, device)
         chunk = responses[i: i + args.per_device_eval_batch_size]
         context_length, mask = queries.shape[1], chunk != pad
         query_responses = torch.cat([queries, chunk], 1)
-        out["gold"].append(reward_scores(models["gold"], query_responses, pad))
+        if gold_tokenizer is None:
+            out["gold"].append(reward_scores(models["gold"], query_responses, pad))
+        else:  # another vocabulary (the paper's gold model): the same text, in the gold model's tokens
+            texts = [tokenizer.decode(row[row != pad]) for row in query_responses]
+            gold_ids = gold_tokenizer(texts, add_special_tokens=False)["input_ids"]
+            out["gold"].append(reward_scores(models["gold"], left_pad(gold_ids, gold_tokenizer.pad_token_id, device),
+                                             gold_tokenizer.pad_token_id))
         sft_logits = forward(models["sft"], query_responses, pad).logits
         if "policy" in models:
             policy_logits = forward(models["policy"], query_responses, pad).logits
@@ -377,13 +423,14 @@ def score(args, models, prompts, responses, pad, device):
     return {name: torch.cat(values).float() for name, values in out.items() if values}
 
 
-def evaluate_checkpoint(args, checkpoint, models, llm, prompts, reference_gold, tokenizer, stop_id, device):
+def evaluate_checkpoint(args, models, llm, prompts, reference_gold, tokenizers, stop_id, device):
+    tokenizer = tokenizers[0]
     pad = tokenizer.pad_token_id
     responses = sample(args, models["policy"], llm, prompts, tokenizer, stop_id, args.temperature, args.seed, device)
     kl_samples = sample(args, models["policy"], llm, prompts, tokenizer, stop_id, args.kl_temperature,
                         args.seed + 1, device)
-    evaluated = score(args, {"gold": models["gold"], "sft": models["sft"]}, prompts, responses, pad, device)
-    sampled = score(args, models, prompts, kl_samples, pad, device)
+    evaluated = score(args, {"gold": models["gold"], "sft": models["sft"]}, prompts, responses, tokenizers, device)
+    sampled = score(args, models, prompts, kl_samples, tokenizers, device)
     gold = evaluated["gold"]
     perplexity = torch.exp(evaluated["sft_nll"] / evaluated["length"].clamp(min=1))
     metrics = {
@@ -418,8 +465,9 @@ if __name__ == "__main__":
     tokenizer = load_tokenizer(args.sft_model_path, args.trust_remote_code)
     stop_id = stop_token_id(args, tokenizer)
     prompts, references = load_eval_data(args, tokenizer, stop_id)
-    if load_tokenizer(args.gold_reward_model_path, args.trust_remote_code).get_vocab() != tokenizer.get_vocab():
-        fail("gold_reward_model_path", "the gold reward model's tokenizer differs from the SFT model's")
+    gold_tokenizer = load_tokenizer(args.gold_reward_model_path, args.trust_remote_code)
+    if gold_tokenizer.get_vocab() == tokenizer.get_vocab():
+        gold_tokenizer = None  # the gold model reads the policy's tokens as they are
     output = args.output or os.path.join(args.checkpoints if os.path.isdir(args.checkpoints) else ".",
                                          "evaluation.json")
 
@@ -428,14 +476,16 @@ if __name__ == "__main__":
     models = {"sft": AutoModelForCausalLM.from_pretrained(args.sft_model_path, **load),
               "gold": AutoModelForSequenceClassification.from_pretrained(args.gold_reward_model_path, num_labels=1,
                                                                          **load)}
-    for model in models.values():
+    for name, model in models.items():
+        model_tokenizer = gold_tokenizer if name == "gold" and gold_tokenizer is not None else tokenizer
         disable_dropout(model)
-        model.config.pad_token_id = tokenizer.pad_token_id
-        if len(tokenizer) > model.get_input_embeddings().num_embeddings:  # room for an added pad token
-            model.resize_token_embeddings(len(tokenizer))
+        model.config.pad_token_id = model_tokenizer.pad_token_id
+        if len(model_tokenizer) > model.get_input_embeddings().num_embeddings:  # room for an added pad token
+            model.resize_token_embeddings(len(model_tokenizer))
         model.to(device).eval()
     pad = tokenizer.pad_token_id
-    reference_gold = score(args, models, prompts, right_pad(references, pad, device), pad, device)["gold"]
+    tokenizers = (tokenizer, gold_tokenizer)
+    reference_gold = score(args, models, prompts, right_pad(references, pad, device), tokenizers, device)["gold"]
 
     if args.track:
         import wandb
@@ -445,7 +495,8 @@ if __name__ == "__main__":
     llm = None
     results = {}
     print(f"{len(prompts)} prompts, {args.backend} generation; references: gold score "
-          f"{reference_gold.mean().item():.3f}", flush=True)
+          f"{reference_gold.mean().item():.3f}" + ("" if gold_tokenizer is None else
+                                                   " (the gold model scores the text in its own tokens)"), flush=True)
     print(f"{'checkpoint':<40}{'update':>8}{'win rate':>10}{'gold':>9}{'KL':>9}{'perplexity':>12}{'length':>8}")
     try:
         for checkpoint in checkpoints:
@@ -458,8 +509,8 @@ if __name__ == "__main__":
                     llm = start_vllm(args, checkpoint)
                 else:
                     load_into_vllm(llm, checkpoint)
-            metrics, samples = evaluate_checkpoint(args, checkpoint, {**models, "policy": policy}, llm, prompts,
-                                                   reference_gold, tokenizer, stop_id, device)
+            metrics, samples = evaluate_checkpoint(args, {**models, "policy": policy}, llm, prompts, reference_gold,
+                                                   tokenizers, stop_id, device)
             update = update_of(checkpoint)
             results[checkpoint] = {"update": update, **metrics}
             print(f"{os.path.basename(checkpoint.rstrip('/')):<40}{'' if update is None else update:>8}"

@@ -27,7 +27,6 @@ import shutil
 import signal
 import socket
 import sys
-import tempfile
 import threading
 import time
 from dataclasses import asdict, dataclass
@@ -89,7 +88,9 @@ class Args:
     stop_token: str = "eos"
     """a response ends at its first stop token: `eos` for the tokenizer's EOS, or a string that is one token"""
     missing_eos_penalty: float = -1.0
-    """added to the score of a response that has no stop token"""
+    """score penalty for a response that has no stop token (see --missing-eos-mode)"""
+    missing_eos_mode: str = "add"
+    """`add` the penalty to the score of a response without a stop token (TRL), or `replace` its score by it (the paper's code)"""
 
     total_episodes: int = 64_000
     """number of sampled responses to train on"""
@@ -115,8 +116,8 @@ class Args:
     """on-policy: generate each batch with the newest policy, taking turns with training (for comparison)"""
     vllm_gpu: Optional[int] = None
     """GPU for vLLM (physical index); default: the first GPU no training rank uses, else rank 0's GPU"""
-    vllm_gpu_memory_utilization: float = 0.9
-    """share of its GPU's memory vLLM may take for weights and KV cache (lower it when it shares a training GPU)"""
+    vllm_gpu_memory_utilization: Optional[float] = None
+    """share of its GPU's memory vLLM may take (default: 0.9 of a GPU of its own, half the free memory of one it shares with training)"""
     vllm_cpu_cores: int = 1
     """without a GPU: CPU cores for vLLM (the learner keeps the others)"""
     vllm_enforce_eager: bool = False
@@ -126,8 +127,8 @@ class Args:
 
     deepspeed_config: str = "ds_configs/zero2.json"
     """DeepSpeed JSON config (ZeRO stage, offload); batch sizes and precision are filled in here"""
-    bf16: bool = torch.cuda.is_available()
-    """train and generate in bfloat16 (default: on when a GPU is present)"""
+    bf16: bool = torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+    """train and generate in bfloat16 (default: on when a GPU that supports it is present)"""
     gradient_checkpointing: bool = False
     """recompute activations in the backward pass to save memory"""
     eval_every: int = 20
@@ -185,13 +186,17 @@ def validate(args):
         fail("off_policy_steps", f"must be at least 1 (use --sync for on-policy), got {args.off_policy_steps}")
     if args.generation_timeout <= 0:
         fail("generation_timeout", f"must be positive, got {args.generation_timeout}")
-    if not 0 < args.vllm_gpu_memory_utilization <= 1:
+    if args.vllm_gpu_memory_utilization is not None and not 0 < args.vllm_gpu_memory_utilization <= 1:
         fail("vllm_gpu_memory_utilization", f"must be in (0, 1], got {args.vllm_gpu_memory_utilization}")
     if not torch.cuda.is_available() and not 1 <= args.vllm_cpu_cores < len(os.sched_getaffinity(0)):
         fail("vllm_cpu_cores", f"must leave the learner at least one of this machine's "
                                f"{len(os.sched_getaffinity(0))} cores, got {args.vllm_cpu_cores}")
     if args.temperature <= 0:
         fail("temperature", f"must be positive, got {args.temperature}")
+    if args.missing_eos_mode not in ("add", "replace"):
+        fail("missing_eos_mode", f"must be add or replace, got {args.missing_eos_mode!r}")
+    if args.bf16 and torch.cuda.is_available() and not torch.cuda.is_bf16_supported():
+        fail("bf16", "this GPU does not support bfloat16; train in float32 with --no-bf16")
     for name in ("eval_every", "save_every"):
         if getattr(args, name) < 0:
             fail(name, "must be 0 or more")
@@ -304,19 +309,41 @@ def generate(model, queries, pad_token_id, stop_token_id, response_length, tempe
     return torch.stack(tokens, 1)
 
 
-def vllm_gpu_index(args):
-    """Physical index of vLLM's GPU: --vllm-gpu, else the first GPU that no training rank uses (the
-    paper's placement), else rank 0's GPU (shared; lower --vllm-gpu-memory-utilization then)."""
-    if args.vllm_gpu is not None:
-        return args.vllm_gpu
-    import pynvml  # counts every GPU of the machine, also those CUDA_VISIBLE_DEVICES hides
+def vllm_gpu_placement(env, num_node_gpus, vllm_gpu=None):
+    """vLLM's GPU: (the CUDA_VISIBLE_DEVICES entry for its engine, the CUDA index on rank 0 of the training GPU
+    it shares, or None when it has a GPU of its own). A pure function of the launcher's environment.
 
-    pynvml.nvmlInit()
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    physical = [int(i) for i in visible.split(",")] if visible else list(range(pynvml.nvmlDeviceGetCount()))
-    training = physical[: int(os.environ.get("LOCAL_WORLD_SIZE", "1"))]
-    spare = [i for i in range(pynvml.nvmlDeviceGetCount()) if i not in training]
-    return spare[0] if spare else training[0]
+    Training ranks use the first entries of CUDA_VISIBLE_DEVICES (all GPUs when unset), one per local rank:
+    deepspeed's launcher says how many in LOCAL_SIZE (and sets CUDA_VISIBLE_DEVICES to exactly those), torchrun
+    in LOCAL_WORLD_SIZE, a `python` launch is one rank. vLLM takes --vllm-gpu, else the next visible entry,
+    else (deepspeed only: its --num_gpus hid the rest of the node) the first of the node's GPUs that no rank
+    uses, else it shares rank 0's GPU. Entries are CUDA's own (indices in CUDA's order, UUIDs or MIG names),
+    passed on unchanged, so NVML's other numbering never enters; NVML only counts the node's GPUs."""
+    visible = env.get("CUDA_VISIBLE_DEVICES")
+    entries = [e.strip() for e in visible.split(",") if e.strip()] if visible else [str(i) for i in range(num_node_gpus)]
+    local_ranks = int(env.get("LOCAL_SIZE") or env.get("LOCAL_WORLD_SIZE") or 1)
+    training, rest = entries[:local_ranks], entries[local_ranks:]
+    if vllm_gpu is not None:
+        choice = str(vllm_gpu)
+    elif rest:
+        choice = rest[0]
+    elif "LOCAL_SIZE" in env and all(e.isdigit() for e in training) and len(training) < num_node_gpus:
+        choice = next(str(i) for i in range(num_node_gpus) if str(i) not in training)
+    else:
+        choice = training[0]
+    return choice, (entries.index(choice) if choice in training else None)
+
+
+def vllm_memory_share(requested, free_bytes, total_bytes, gpu):
+    """vLLM's gpu_memory_utilization on a GPU it shares with training: vLLM refuses to start unless that share of
+    the GPU's total memory is free, and the learner's models are already there. By default vLLM takes half of what
+    is free (the other half is for the learner's activations and optimizer state)."""
+    share = requested if requested is not None else int(50 * free_bytes / total_bytes) / 100
+    if share * total_bytes > free_bytes or (requested is None and share * total_bytes < 2**30):
+        fail("vllm_gpu_memory_utilization", f"GPU {gpu}, shared with training, has {free_bytes / 2**30:.1f} of "
+                                            f"{total_bytes / 2**30:.1f} GiB free, too little for vLLM to take "
+                                            f"{share:.2f} of it (give vLLM a GPU of its own with --vllm-gpu)")
+    return share
 
 
 def start_vllm(args, model_path):
@@ -330,8 +357,17 @@ def start_vllm(args, model_path):
                        max_model_len=args.max_prompt_length + args.response_length,
                        enforce_eager=args.vllm_enforce_eager, trust_remote_code=args.trust_remote_code)
     if torch.cuda.is_available():
-        env = {"CUDA_VISIBLE_DEVICES": str(vllm_gpu_index(args))}
-        engine_args["gpu_memory_utilization"] = args.vllm_gpu_memory_utilization
+        import pynvml  # counts the node's GPUs, also those the deepspeed launcher hid from this process
+
+        pynvml.nvmlInit()
+        gpu, shared = vllm_gpu_placement(os.environ, pynvml.nvmlDeviceGetCount(), args.vllm_gpu)
+        share = 0.9 if args.vllm_gpu_memory_utilization is None else args.vllm_gpu_memory_utilization
+        if shared is not None:
+            share = vllm_memory_share(args.vllm_gpu_memory_utilization, *torch.cuda.mem_get_info(shared), gpu)
+            print(f"vLLM shares GPU {gpu} with training and takes {share:.2f} of its memory "
+                  "(--vllm-gpu-memory-utilization); it has no GPU of its own", flush=True)
+        env = {"CUDA_VISIBLE_DEVICES": gpu}
+        engine_args["gpu_memory_utilization"] = share
     else:
         cores = sorted(os.sched_getaffinity(0))[-args.vllm_cpu_cores:]
         env = {"VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, cores))}
@@ -374,8 +410,10 @@ def vllm_generate(llm, prompts, k, response_length, stop_token_id, temperature, 
 
 def load_into_vllm(llm, weights_path):
     """Replace the engine's weights by those of a save_pretrained directory (vLLM's in-place reload,
-    run in the engine's worker process)."""
+    run in the engine's worker process). The prefix cache is emptied: its keys are token ids, not
+    weights, so prompts sharing a cached prefix would reuse keys and values of the old weights."""
     llm.collective_rpc("reload_weights", kwargs={"weights_path": weights_path})
+    llm.reset_prefix_cache()
 
 
 def right_pad(sequences, pad_token_id, device):
@@ -460,12 +498,20 @@ class Generator:
 
 
 def save_for_vllm(policy, path):
-    """Write the policy's weights where vLLM can load them; under ZeRO-3 every rank takes part in
-    gathering the parameters and rank 0 writes."""
-    with deepspeed.zero.GatheredParameters(list(policy.module.parameters()),
-                                           enabled=policy.zero_optimization_stage() == 3):
-        if dist.get_rank() == 0:
-            policy.module.save_pretrained(path)
+    """Write the policy's weights where vLLM can load them; every rank takes part, rank 0 writes."""
+    state_dict = gathered_state_dict(policy)
+    if dist.get_rank() == 0:
+        policy.module.save_pretrained(path, state_dict=state_dict)
+
+
+def weights_root(run_dir, needed_bytes, shm="/dev/shm"):
+    """Where the weights handed to vLLM go: memory (/dev/shm) when it has room for `needed_bytes`, else the
+    run directory, said in one line. A container's /dev/shm is often 64 MB."""
+    if os.path.isdir(shm) and shutil.disk_usage(shm).free >= needed_bytes:
+        return shm
+    print(f"warning: {shm} has no room for {needed_bytes / 2**20:.0f} MiB of weights handed to vLLM; "
+          f"they go through {run_dir} (disk)", file=sys.stderr, flush=True)
+    return run_dir
 
 
 def truncate_response(responses, stop_token_id, pad_token_id):
@@ -500,8 +546,13 @@ def reward_scores(model, query_responses, pad_token_id):
     return forward(model, query_responses, pad_token_id).logits[:, 0].float()
 
 
-def apply_missing_eos_penalty(scores, responses, stop_token_id, penalty):
-    return scores + penalty * (~(responses == stop_token_id).any(1)).float()
+def apply_missing_eos_penalty(scores, responses, stop_token_id, penalty, mode):
+    """The score of a response without a stop token: `add` the penalty to it (TRL), or `replace` it by the
+    penalty (the paper's code)."""
+    missing = ~(responses == stop_token_id).any(1)
+    if mode == "replace":
+        return torch.where(missing, torch.full_like(scores, penalty), scores)
+    return scores + penalty * missing.float()
 
 
 def select_pairs(scores, k):
@@ -531,9 +582,9 @@ def masked_mean(values, mask):
     return (values * mask).sum() / mask.sum().clamp(min=1)
 
 
-def mean_over_ranks(stats):
-    """Average a dict of floats over all processes."""
-    values = torch.tensor(list(stats.values()), dtype=torch.float64)
+def mean_over_ranks(stats, device):
+    """Average a dict of floats over all processes (on the device: NCCL reduces only CUDA tensors)."""
+    values = torch.tensor(list(stats.values()), dtype=torch.float64, device=device)
     dist.all_reduce(values)
     return dict(zip(stats, (values / dist.get_world_size()).tolist()))
 
@@ -554,7 +605,7 @@ def evaluate(args, policy, reward_model, gold_model, eval_prompts, tokenizer, st
     """Greedy responses to held-out prompts, scored by the reward model (and the gold model)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     prompts = eval_prompts[: args.num_eval_prompts][rank::world]
-    sums = torch.zeros(4, dtype=torch.float64)
+    sums = torch.zeros(4, dtype=torch.float64, device=device)  # on the device: NCCL reduces only CUDA tensors
     samples = []
     for start in range(0, len(prompts), args.per_device_train_batch_size):
         queries = left_pad(prompts[start: start + args.per_device_train_batch_size], tokenizer.pad_token_id, device)
@@ -564,7 +615,8 @@ def evaluate(args, policy, reward_model, gold_model, eval_prompts, tokenizer, st
         query_responses = torch.cat([queries, responses], 1)
         scores = reward_scores(reward_model, query_responses, tokenizer.pad_token_id)
         gold = reward_scores(gold_model, query_responses, tokenizer.pad_token_id) if gold_model else scores * 0
-        sums += torch.tensor([scores.sum(), gold.sum(), (responses != tokenizer.pad_token_id).sum(), len(scores)])
+        sums += torch.stack([scores.sum(), gold.sum(), (responses != tokenizer.pad_token_id).sum(),
+                             torch.tensor(len(scores), device=device)]).double()
         if not samples:
             for q, r, s in zip(queries[:4], responses[:4], scores[:4]):
                 samples.append([tokenizer.decode(q, skip_special_tokens=True),
@@ -604,10 +656,9 @@ def save_checkpoint(args, run_dir, update, episode, engines, tokenizer):
     dist.barrier()
     for name, engine in engines.items():
         engine.save_checkpoint(os.path.join(tmp, "training_state"), tag=name, save_latest=False)
-        with deepspeed.zero.GatheredParameters(list(engine.module.parameters()),
-                                               enabled=engine.zero_optimization_stage() == 3):
-            if dist.get_rank() == 0:
-                engine.module.save_pretrained(tmp if name == "policy" else os.path.join(tmp, name))
+        state_dict = gathered_state_dict(engine)
+        if dist.get_rank() == 0:
+            engine.module.save_pretrained(tmp if name == "policy" else os.path.join(tmp, name), state_dict=state_dict)
     torch.save({"torch": torch.get_rng_state(), "accelerator": get_accelerator().get_rng_state()},
                os.path.join(tmp, "training_state", f"rng_rank{dist.get_rank()}.pt"))
     if dist.get_rank() == 0:
@@ -644,6 +695,12 @@ def load_checkpoint(checkpoint, engines):
     return state["update"], state["episode"]
 
 
+def process_group_backend(cuda):
+    """torch.distributed's backend for each device type. NCCL reduces only CUDA tensors ("No backend type
+    associated with device type cpu"), so on GPUs gloo serves the collectives on CPU objects beside it."""
+    return "cpu:gloo,cuda:nccl" if cuda else "gloo"
+
+
 def init_distributed():
     """Join the process group; a plain `python` launch is a group of one."""
     if "RANK" not in os.environ:
@@ -651,7 +708,28 @@ def init_distributed():
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
+    deepspeed.init_distributed(dist_backend=process_group_backend(torch.cuda.is_available()))
+
+
+def gathered_state_dict(engine):
+    """The engine's weights for save_pretrained on rank 0 (None elsewhere). Under ZeRO-3 every rank takes
+    part in gathering the parameters one module at a time, so no device ever holds the whole model; the
+    gathered weights go to rank 0's CPU memory."""
+    module, rank = engine.module, dist.get_rank()
+    if engine.zero_optimization_stage() != 3:
+        return module.state_dict() if rank == 0 else None
+    state, copies = {}, {}
+    for prefix, submodule in module.named_modules():
+        own = list(submodule.named_parameters(prefix=prefix, recurse=False))
+        with deepspeed.zero.GatheredParameters([p for _, p in own]):
+            if rank == 0:
+                for name, param in own:  # tied weights (one parameter under two names) are copied once
+                    state[name] = copies.setdefault(id(param), param.detach().cpu().clone())
+    if rank != 0:
+        return None
+    persistent = module.state_dict().keys()  # keys only: under ZeRO-3 its parameters are empty shards
+    state.update({name: buffer.cpu() for name, buffer in module.named_buffers() if name in persistent})
+    return state
 
 
 def ds_config(args, train):
@@ -660,10 +738,12 @@ def ds_config(args, train):
     config.update(train_micro_batch_size_per_gpu=args.per_device_train_batch_size,
                   gradient_accumulation_steps=args.gradient_accumulation_steps if train else 1,
                   bf16={"enabled": args.bf16})
-    if not train:  # frozen models: partitioned under ZeRO-3, replicated otherwise; no optimizer state
-        stage = config["zero_optimization"]["stage"]
+    if not train:  # frozen models: partitioned under ZeRO-3 (offloaded if its parameters are), else replicated
+        zero = config["zero_optimization"]
         config = {k: v for k, v in config.items() if k not in ("zero_optimization", "gradient_clipping")}
-        config["zero_optimization"] = {"stage": 3 if stage == 3 else 0}
+        config["zero_optimization"] = {"stage": 0}
+        if zero["stage"] == 3:
+            config["zero_optimization"] = {k: v for k, v in zero.items() if k != "offload_optimizer"}
     return config
 
 
@@ -696,6 +776,10 @@ if __name__ == "__main__":
                                             f"the train split has {len(train_prompts)}")
     if load_tokenizer(args.reward_model_path, args.trust_remote_code).get_vocab() != tokenizer.get_vocab():
         fail("reward_model_path", "the reward model's tokenizer differs from the policy's")
+    if (args.gold_reward_model_path and load_tokenizer(args.gold_reward_model_path, args.trust_remote_code).get_vocab()
+            != tokenizer.get_vocab()):
+        fail("gold_reward_model_path", "the gold reward model's tokenizer differs from the policy's "
+                                       "(evaluate.py scores such a model on re-tokenised text)")
 
     run_dir = os.path.dirname(os.path.abspath(latest_checkpoint(args.resume))) if args.resume else None
     run_name = os.path.basename(run_dir) if run_dir else f"{args.exp_name}__{args.seed}__{int(time.time())}"
@@ -739,15 +823,18 @@ if __name__ == "__main__":
         start_update, episode = load_checkpoint(latest_checkpoint(args.resume), {"policy": policy})
 
     # vLLM on rank 0, started from the learner's weights (version start_update: the SFT policy, or
-    # the resumed one). Weights move through a directory in memory (/dev/shm) where there is one;
-    # rank 0's process id keeps two runs of one name (a sweep started in the same second) apart.
+    # the resumed one). Weights move through memory (/dev/shm) when it has room for the lag + 1 versions
+    # that can be on their way at once, else through the run directory; each version is deleted once
+    # vLLM has loaded it. Rank 0's process id keeps two runs of one name (a sweep) apart.
     lag = 0 if args.sync else args.off_policy_steps
-    weights_dir = os.path.join("/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir(),
-                               f"{run_name[0]}-{os.getpid()}-weights")
+    version_bytes = sum(getattr(p, "ds_numel", p.numel()) for p in policy.module.parameters()) * (2 if args.bf16 else 4)
+    root = weights_root(run_dir, (lag + 1) * version_bytes) if rank == 0 else run_dir  # only rank 0 writes
+    weights_dir = os.path.join(root, f"{run_name[0]}-{os.getpid()}-weights")
     save_for_vllm(policy, os.path.join(weights_dir, f"policy-{start_update}"))
     if rank == 0:
         tokenizer.save_pretrained(os.path.join(weights_dir, f"policy-{start_update}"))
         llm = start_vllm(args, os.path.join(weights_dir, f"policy-{start_update}"))
+        shutil.rmtree(os.path.join(weights_dir, f"policy-{start_update}"))
         generator = Generator(args, llm, weights_dir, train_prompts, prompts_per_rank, stop_id, start_update, lag)
         atexit.register(generator.close)  # on every way out: the end, an error, Ctrl-C, SIGTERM (next line)
         signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
@@ -811,7 +898,8 @@ if __name__ == "__main__":
                 scores.append(reward_scores(reward_model, chunk, pad))
         ref_logprobs = torch.cat(ref_logprobs).masked_fill(padding_mask, 0.0)
         raw_scores = torch.cat(scores)
-        scores = apply_missing_eos_penalty(raw_scores, responses, stop_id, args.missing_eos_penalty)
+        scores = apply_missing_eos_penalty(raw_scores, responses, stop_id, args.missing_eos_penalty,
+                                           args.missing_eos_mode)
 
         # 3. Pairs: the best and the worst response to each prompt.
         chosen, rejected = select_pairs(scores, args.k)
@@ -886,7 +974,7 @@ if __name__ == "__main__":
             "time/training": t3 - t2,
             "time/weight_sync": t4 - t3,
             "time/weight_reload": reload_time,
-        })
+        }, device)
         metrics.update(lr=policy.get_lr()[0], episode=episode, eps=(episode - start_episode) / (time.time() - start_time))
         samples = None
         if (args.eval_every and update % args.eval_every == 0) or update == args.num_updates:

@@ -80,7 +80,9 @@ class Args:
     stop_token: str = "eos"
     """a response ends at its first stop token: `eos` for the tokenizer's EOS, or a string that is one token"""
     missing_eos_penalty: float = -1.0
-    """added to the score of a response that has no stop token"""
+    """score penalty for a response that has no stop token (see --missing-eos-mode)"""
+    missing_eos_mode: str = "add"
+    """`add` the penalty to the score of a response without a stop token (TRL), or `replace` its score by it (the paper's code)"""
 
     total_episodes: int = 64_000
     """number of sampled responses to train on"""
@@ -103,8 +105,8 @@ class Args:
 
     deepspeed_config: str = "ds_configs/zero2.json"
     """DeepSpeed JSON config (ZeRO stage, offload); batch sizes and precision are filled in here"""
-    bf16: bool = torch.cuda.is_available()
-    """train and generate in bfloat16 (default: on when a GPU is present)"""
+    bf16: bool = torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+    """train and generate in bfloat16 (default: on when a GPU that supports it is present)"""
     gradient_checkpointing: bool = False
     """recompute activations in the backward pass to save memory"""
     eval_every: int = 20
@@ -153,6 +155,10 @@ def validate(args):
         fail("k", f"RLOO needs at least 2 responses per prompt, got {args.k}")
     if args.temperature <= 0:
         fail("temperature", f"must be positive, got {args.temperature}")
+    if args.missing_eos_mode not in ("add", "replace"):
+        fail("missing_eos_mode", f"must be add or replace, got {args.missing_eos_mode!r}")
+    if args.bf16 and torch.cuda.is_available() and not torch.cuda.is_bf16_supported():
+        fail("bf16", "this GPU does not support bfloat16; train in float32 with --no-bf16")
     for name in ("eval_every", "save_every"):
         if getattr(args, name) < 0:
             fail(name, "must be 0 or more")
@@ -300,8 +306,13 @@ def reward_scores(model, query_responses, pad_token_id):
     return forward(model, query_responses, pad_token_id).logits[:, 0].float()
 
 
-def apply_missing_eos_penalty(scores, responses, stop_token_id, penalty):
-    return scores + penalty * (~(responses == stop_token_id).any(1)).float()
+def apply_missing_eos_penalty(scores, responses, stop_token_id, penalty, mode):
+    """The score of a response without a stop token: `add` the penalty to it (TRL), or `replace` it by the
+    penalty (the paper's code)."""
+    missing = ~(responses == stop_token_id).any(1)
+    if mode == "replace":
+        return torch.where(missing, torch.full_like(scores, penalty), scores)
+    return scores + penalty * missing.float()
 
 
 def rloo_advantages(rewards, k):
@@ -326,9 +337,9 @@ def masked_mean(values, mask):
     return (values * mask).sum() / mask.sum().clamp(min=1)
 
 
-def mean_over_ranks(stats):
-    """Average a dict of floats over all processes."""
-    values = torch.tensor(list(stats.values()), dtype=torch.float64)
+def mean_over_ranks(stats, device):
+    """Average a dict of floats over all processes (on the device: NCCL reduces only CUDA tensors)."""
+    values = torch.tensor(list(stats.values()), dtype=torch.float64, device=device)
     dist.all_reduce(values)
     return dict(zip(stats, (values / dist.get_world_size()).tolist()))
 
@@ -349,7 +360,7 @@ def evaluate(args, policy, reward_model, gold_model, eval_prompts, tokenizer, st
     """Greedy responses to held-out prompts, scored by the reward model (and the gold model)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     prompts = eval_prompts[: args.num_eval_prompts][rank::world]
-    sums = torch.zeros(4, dtype=torch.float64)
+    sums = torch.zeros(4, dtype=torch.float64, device=device)  # on the device: NCCL reduces only CUDA tensors
     samples = []
     for start in range(0, len(prompts), args.per_device_train_batch_size):
         queries = left_pad(prompts[start: start + args.per_device_train_batch_size], tokenizer.pad_token_id, device)
@@ -359,7 +370,8 @@ def evaluate(args, policy, reward_model, gold_model, eval_prompts, tokenizer, st
         query_responses = torch.cat([queries, responses], 1)
         scores = reward_scores(reward_model, query_responses, tokenizer.pad_token_id)
         gold = reward_scores(gold_model, query_responses, tokenizer.pad_token_id) if gold_model else scores * 0
-        sums += torch.tensor([scores.sum(), gold.sum(), (responses != tokenizer.pad_token_id).sum(), len(scores)])
+        sums += torch.stack([scores.sum(), gold.sum(), (responses != tokenizer.pad_token_id).sum(),
+                             torch.tensor(len(scores), device=device)]).double()
         if not samples:
             for q, r, s in zip(queries[:4], responses[:4], scores[:4]):
                 samples.append([tokenizer.decode(q, skip_special_tokens=True),
@@ -399,10 +411,9 @@ def save_checkpoint(args, run_dir, update, episode, engines, tokenizer):
     dist.barrier()
     for name, engine in engines.items():
         engine.save_checkpoint(os.path.join(tmp, "training_state"), tag=name, save_latest=False)
-        with deepspeed.zero.GatheredParameters(list(engine.module.parameters()),
-                                               enabled=engine.zero_optimization_stage() == 3):
-            if dist.get_rank() == 0:
-                engine.module.save_pretrained(tmp if name == "policy" else os.path.join(tmp, name))
+        state_dict = gathered_state_dict(engine)
+        if dist.get_rank() == 0:
+            engine.module.save_pretrained(tmp if name == "policy" else os.path.join(tmp, name), state_dict=state_dict)
     torch.save({"torch": torch.get_rng_state(), "accelerator": get_accelerator().get_rng_state()},
                os.path.join(tmp, "training_state", f"rng_rank{dist.get_rank()}.pt"))
     if dist.get_rank() == 0:
@@ -439,6 +450,12 @@ def load_checkpoint(checkpoint, engines):
     return state["update"], state["episode"]
 
 
+def process_group_backend(cuda):
+    """torch.distributed's backend for each device type. NCCL reduces only CUDA tensors ("No backend type
+    associated with device type cpu"), so on GPUs gloo serves the collectives on CPU objects beside it."""
+    return "cpu:gloo,cuda:nccl" if cuda else "gloo"
+
+
 def init_distributed():
     """Join the process group; a plain `python` launch is a group of one."""
     if "RANK" not in os.environ:
@@ -446,7 +463,28 @@ def init_distributed():
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
+    deepspeed.init_distributed(dist_backend=process_group_backend(torch.cuda.is_available()))
+
+
+def gathered_state_dict(engine):
+    """The engine's weights for save_pretrained on rank 0 (None elsewhere). Under ZeRO-3 every rank takes
+    part in gathering the parameters one module at a time, so no device ever holds the whole model; the
+    gathered weights go to rank 0's CPU memory."""
+    module, rank = engine.module, dist.get_rank()
+    if engine.zero_optimization_stage() != 3:
+        return module.state_dict() if rank == 0 else None
+    state, copies = {}, {}
+    for prefix, submodule in module.named_modules():
+        own = list(submodule.named_parameters(prefix=prefix, recurse=False))
+        with deepspeed.zero.GatheredParameters([p for _, p in own]):
+            if rank == 0:
+                for name, param in own:  # tied weights (one parameter under two names) are copied once
+                    state[name] = copies.setdefault(id(param), param.detach().cpu().clone())
+    if rank != 0:
+        return None
+    persistent = module.state_dict().keys()  # keys only: under ZeRO-3 its parameters are empty shards
+    state.update({name: buffer.cpu() for name, buffer in module.named_buffers() if name in persistent})
+    return state
 
 
 def ds_config(args, train):
@@ -455,10 +493,12 @@ def ds_config(args, train):
     config.update(train_micro_batch_size_per_gpu=args.per_device_train_batch_size,
                   gradient_accumulation_steps=args.gradient_accumulation_steps if train else 1,
                   bf16={"enabled": args.bf16})
-    if not train:  # frozen models: partitioned under ZeRO-3, replicated otherwise; no optimizer state
-        stage = config["zero_optimization"]["stage"]
+    if not train:  # frozen models: partitioned under ZeRO-3 (offloaded if its parameters are), else replicated
+        zero = config["zero_optimization"]
         config = {k: v for k, v in config.items() if k not in ("zero_optimization", "gradient_clipping")}
-        config["zero_optimization"] = {"stage": 3 if stage == 3 else 0}
+        config["zero_optimization"] = {"stage": 0}
+        if zero["stage"] == 3:
+            config["zero_optimization"] = {k: v for k, v in zero.items() if k != "offload_optimizer"}
     return config
 
 
@@ -489,6 +529,10 @@ if __name__ == "__main__":
                                             f"the train split has {len(train_prompts)}")
     if load_tokenizer(args.reward_model_path, args.trust_remote_code).get_vocab() != tokenizer.get_vocab():
         fail("reward_model_path", "the reward model's tokenizer differs from the policy's")
+    if (args.gold_reward_model_path and load_tokenizer(args.gold_reward_model_path, args.trust_remote_code).get_vocab()
+            != tokenizer.get_vocab()):
+        fail("gold_reward_model_path", "the gold reward model's tokenizer differs from the policy's "
+                                       "(evaluate.py scores such a model on re-tokenised text)")
 
     run_dir = os.path.dirname(os.path.abspath(latest_checkpoint(args.resume))) if args.resume else None
     run_name = os.path.basename(run_dir) if run_dir else f"{args.exp_name}__{args.seed}__{int(time.time())}"
@@ -599,7 +643,8 @@ if __name__ == "__main__":
         logprobs = torch.cat(logprobs).masked_fill(padding_mask, 0.0)
         ref_logprobs = torch.cat(ref_logprobs).masked_fill(padding_mask, 0.0)
         raw_scores = torch.cat(scores)
-        scores = apply_missing_eos_penalty(raw_scores, responses, stop_id, args.missing_eos_penalty)
+        scores = apply_missing_eos_penalty(raw_scores, responses, stop_id, args.missing_eos_penalty,
+                                           args.missing_eos_mode)
 
         # 3. Rewards and leave-one-out advantages.
         kl = (logprobs - ref_logprobs).sum(1)
@@ -657,7 +702,7 @@ if __name__ == "__main__":
             "time/generation": t1 - t0,
             "time/scoring": t2 - t1,
             "time/training": t3 - t2,
-        })
+        }, device)
         metrics.update(lr=policy.get_lr()[0], episode=episode, eps=(episode - start_episode) / (time.time() - start_time))
         samples = None
         if (args.eval_every and update % args.eval_every == 0) or update == args.num_updates:

@@ -1,6 +1,7 @@
 """online_dpo_vllm.py's own parts: weights handed to vLLM, generator failure. (Its runs, learning,
 resume, staleness under DeepSpeed and bad input are in test_scripts_run.py with the other scripts.)"""
 
+import functools
 import os
 import signal
 import subprocess
@@ -10,13 +11,17 @@ import time
 import psutil
 import pytest
 import torch
+import vllm
 from conftest import ROOT, TINY, read_metrics, run_dir_of
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+from vllm.inputs import TokensPrompt
 
 import online_dpo_vllm as script
 
-PROMPTS = ["SUBREDDIT: r/travel\nPOST: rain hotel beach\nTL;DR:", "SUBREDDIT: r/tech\nPOST: code router\nTL;DR:",
-           "SUBREDDIT: r/cooking\nPOST: salad\nTL;DR:"]
+# Longer than one KV block (32 tokens here, see below) and sharing their first block: vLLM's prefix
+# cache then holds keys and values of that block, which a weight push must not leave behind.
+SHARED = "SUBREDDIT: r/travel\nPOST: " + " ".join(["today we went to the beach and it was big and new"] * 3)
+PROMPTS = [SHARED + " rain hotel\nTL;DR:", SHARED + " code router\nTL;DR:", SHARED + " salad\nTL;DR:"]
 
 
 def _policy(kind, tokenizer):
@@ -46,13 +51,34 @@ def _greedy_vllm(llm, prompts, tokenizer, length):
     return _truncated(script.right_pad(responses, tokenizer.pad_token_id, "cpu"), tokenizer)
 
 
+def _logprobs_vllm(llm, prompts, length):
+    """vLLM's log-probabilities of the 5 likeliest tokens at each step of its greedy responses: {(prompt,
+    prefix of the response, token): log-probability}."""
+    sampling = vllm.SamplingParams(temperature=0, max_tokens=length, logprobs=5)
+    outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sampling, use_tqdm=False)
+    return {(i, tuple(o.outputs[0].token_ids[:j]), token): logprob.logprob for i, o in enumerate(outputs)
+            for j, step in enumerate(o.outputs[0].logprobs) for token, logprob in step.items()}
+
+
+def _logprobs_hf(model, prompts, keys):
+    out = {}
+    for i, prefix, token in keys:
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([prompts[i] + list(prefix)])).logits[0, -1]
+        out[i, prefix, token] = torch.log_softmax(logits.float(), -1)[token].item()
+    return out
+
+
 @pytest.mark.parametrize("kind", ["gpt_neox", "llama"])
-def test_after_a_weight_push_vllm_greedy_equals_hf_greedy(tmp_path, kind):
+def test_after_a_weight_push_vllm_greedy_equals_hf_greedy(tmp_path, monkeypatch, kind):
     tokenizer = AutoTokenizer.from_pretrained(os.path.join(TINY, "sft"))
     model = _policy(kind, tokenizer).eval()
     prompts = [tokenizer.encode(p) for p in PROMPTS]
     model.save_pretrained(tmp_path / "v0")
     tokenizer.save_pretrained(tmp_path / "v0")
+    assert min(len(p) for p in prompts) > 32 and len({tuple(p[:32]) for p in prompts}) == 1
+    # vLLM on a GPU caches blocks of 16 tokens; on a CPU 128 unless told: 32 makes the shared block cacheable.
+    monkeypatch.setattr(vllm, "LLM", functools.partial(vllm.LLM, block_size=32))
     args = script.Args(bf16=False, response_length=12, batch_size=8, vllm_enforce_eager=True)
     llm = script.start_vllm(args, str(tmp_path / "v0"))
     try:
@@ -78,9 +104,14 @@ def test_after_a_weight_push_vllm_greedy_equals_hf_greedy(tmp_path, kind):
         model.save_pretrained(tmp_path / "v1")
         script.load_into_vllm(llm, str(tmp_path / "v1"))
         after = _greedy_vllm(llm, prompts, tokenizer, 12)
+        after_logprobs = _logprobs_vllm(llm, prompts, 4)
     finally:
         llm.llm_engine.engine_core.shutdown(timeout=30)
     assert after == _greedy_hf(model, prompts, tokenizer, 12)
+    # ... with the new weights' probabilities: no key or value of the shared block survives from the old weights.
+    expected = _logprobs_hf(model, prompts, after_logprobs)
+    difference = max(abs(after_logprobs[key] - expected[key]) for key in expected)
+    assert len(expected) >= 30 and difference < 1e-4, difference  # measured: 3e-6 with the reset, 0.5-2.5 without
     assert after != before  # the push changed what vLLM generates
     assert all(response[-1] == tokenizer.eos_token_id for response in after)  # the stop token is kept
 

@@ -1,0 +1,190 @@
+"""What only a GPU run would show, tested on the CPU through the same logic: process-group backends,
+vLLM's GPU and memory share, the weight hand-off's memory, bf16 and the DeepSpeed configs.
+(The prefix-cache reset is in test_online_dpo_vllm.py, the gold model's other tokenizer in
+test_evaluate.py; what no CPU can check is in benchmark/gpu_smoke.sh.)"""
+
+import glob
+import importlib.util
+import json
+import os
+import socket
+
+import deepspeed
+import pytest
+import torch
+import torch.distributed as dist
+from conftest import ROOT, TINY
+from deepspeed.runtime.config import DeepSpeedConfig
+from transformers import AutoModelForCausalLM
+
+import online_dpo_vllm as script
+
+
+@pytest.fixture
+def process_group(monkeypatch):
+    """A one-process group in this process: yields a function that (re)initialises it with a backend string."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    for name, value in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                            MASTER_PORT=str(port)).items():
+        monkeypatch.setenv(name, value)
+
+    def init(backend):
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+
+    yield init
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def test_collectives_on_cpu_tensors_need_a_cpu_backend_beside_nccl(process_group):
+    # NCCL serves CUDA tensors only. "cuda:gloo" stands in for it here: a group with a backend for
+    # CUDA and none for the CPU, which fails on a CPU tensor exactly as NCCL does on a GPU machine.
+    process_group("cuda:gloo")
+    with pytest.raises(RuntimeError, match="No backend type associated with device type cpu"):
+        script.mean_over_ranks({"objective/scores": 1.5}, "cpu")
+    # The scripts' backend on a GPU machine (gloo in NCCL's place, which this machine lacks) serves
+    # both the collectives on the device and those on CPU objects (the run name, the vLLM batches).
+    assert script.process_group_backend(cuda=True) == "cpu:gloo,cuda:nccl"
+    assert script.process_group_backend(cuda=False) == "gloo"
+    process_group(script.process_group_backend(cuda=True).replace("nccl", "gloo"))
+    assert script.mean_over_ranks({"objective/scores": 1.5, "objective/kl": -2.0}, "cpu") == {
+        "objective/scores": 1.5, "objective/kl": -2.0}
+    objects = [None]
+    dist.broadcast_object_list(objects, src=0)
+    dist.barrier()
+
+
+def test_every_script_initialises_through_the_same_backend_choice():
+    for path in glob.glob(os.path.join(ROOT, "*.py")):
+        with open(path) as f:
+            source = f.read()
+        if "init_distributed(" in source:
+            assert "dist_backend=process_group_backend(torch.cuda.is_available())" in source, path
+            assert '"nccl"' not in source.replace('"cpu:gloo,cuda:nccl"', ""), path
+
+
+# (environment, GPUs on the node, --vllm-gpu) -> (vLLM's CUDA_VISIBLE_DEVICES entry, shared rank-0 CUDA index)
+PLACEMENT = {
+    # deepspeed --num_gpus 3 on 4 GPUs: the launcher shows the ranks only their 3 GPUs and sets LOCAL_SIZE.
+    "deepspeed 3 of 4": ({"CUDA_VISIBLE_DEVICES": "0,1,2", "LOCAL_SIZE": "3", "LOCAL_RANK": "0"}, 4, None, ("3", None)),
+    # deepspeed --include localhost:4,5,6 on 8 GPUs: the first GPU no rank uses.
+    "deepspeed include 4-6 of 8": ({"CUDA_VISIBLE_DEVICES": "4,5,6", "LOCAL_SIZE": "3"}, 8, None, ("0", None)),
+    # torchrun --nproc-per-node 3 on 4 GPUs: every GPU visible, ranks on the first 3.
+    "torchrun 3 of 4": ({"LOCAL_WORLD_SIZE": "3", "LOCAL_RANK": "0"}, 4, None, ("3", None)),
+    # deepspeed on all 8 GPUs: no GPU is free, vLLM shares rank 0's.
+    "deepspeed 8 of 8": ({"CUDA_VISIBLE_DEVICES": ",".join(map(str, range(8))), "LOCAL_SIZE": "8"}, 8, None, ("0", 0)),
+    # python with CUDA_VISIBLE_DEVICES=4 on an 8-GPU node: stay inside what the user made visible.
+    "python, CUDA_VISIBLE_DEVICES=4": ({"CUDA_VISIBLE_DEVICES": "4"}, 8, None, ("4", 0)),
+    "python, CUDA_VISIBLE_DEVICES=4,5": ({"CUDA_VISIBLE_DEVICES": "4,5"}, 8, None, ("5", None)),
+    "python, one GPU": ({}, 1, None, ("0", 0)),
+    "python, 2 GPUs": ({}, 2, None, ("1", None)),
+    # UUID and MIG entries are passed on as they are; CUDA (not NVML) reads them.
+    "torchrun on 2 UUIDs": ({"CUDA_VISIBLE_DEVICES": "GPU-8a1f,GPU-77c2", "LOCAL_WORLD_SIZE": "1"}, 8, None,
+                            ("GPU-77c2", None)),
+    "python on a MIG slice": ({"CUDA_VISIBLE_DEVICES": "MIG-4b2e"}, 8, None, ("MIG-4b2e", 0)),
+    # --vllm-gpu wins; naming a training rank's GPU shares it.
+    "--vllm-gpu 7": ({"CUDA_VISIBLE_DEVICES": "0,1,2", "LOCAL_SIZE": "3"}, 8, 7, ("7", None)),
+    "--vllm-gpu 1 (rank 1's)": ({"CUDA_VISIBLE_DEVICES": "0,1,2", "LOCAL_SIZE": "3"}, 4, 1, ("1", 1)),
+}
+
+
+@pytest.mark.parametrize("case", PLACEMENT)
+def test_vllm_gpu_placement_over_the_launch_cases(case):
+    env, num_gpus, vllm_gpu, expected = PLACEMENT[case]
+    assert script.vllm_gpu_placement(env, num_gpus, vllm_gpu) == expected
+    # CUDA_DEVICE_ORDER changes how CUDA numbers GPUs against NVML; the choice is in CUDA's own
+    # entries and uses NVML only for the count, so it is the same under either order.
+    for order in ("PCI_BUS_ID", "FASTEST_FIRST"):
+        assert script.vllm_gpu_placement({**env, "CUDA_DEVICE_ORDER": order}, num_gpus, vllm_gpu) == expected
+
+
+def test_vllm_memory_share_on_a_gpu_shared_with_training(capsys):
+    gib = 2**30
+    assert script.vllm_memory_share(None, 60 * gib, 80 * gib, "0") == 0.37  # half of what is free, rounded down
+    assert script.vllm_memory_share(0.5, 60 * gib, 80 * gib, "0") == 0.5  # a share that fits is kept
+    for requested, free in ((0.9, 60 * gib), (None, 1.5 * gib)):  # vLLM would refuse to start; we stop first
+        with pytest.raises(SystemExit) as exit:
+            script.vllm_memory_share(requested, free, 80 * gib, "0")
+        assert exit.value.code == 2
+        (line,) = capsys.readouterr().err.splitlines()
+        assert line.startswith("error: --vllm-gpu-memory-utilization: GPU 0, shared with training, has")
+
+
+def test_handed_over_weights_fall_back_to_the_run_directory_when_memory_is_short(tmp_path, capsys):
+    shm, run_dir = tmp_path / "shm", str(tmp_path / "run")
+    shm.mkdir()
+    assert script.weights_root(run_dir, 10 * 2**20, shm=str(shm)) == str(shm)
+    assert capsys.readouterr().err == ""
+    assert script.weights_root(run_dir, 2**62, shm=str(shm)) == run_dir  # more than any disk holds
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith(f"warning: {shm} has no room for") and run_dir in line
+    assert script.weights_root(run_dir, 1, shm=str(tmp_path / "none")) == run_dir  # no /dev/shm at all
+
+
+def test_zero3_weights_are_gathered_one_module_at_a_time(process_group, tmp_path, monkeypatch):
+    process_group("gloo")
+    config = {"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}, "gradient_clipping": 1.0}
+    (tmp_path / "zero3.json").write_text(json.dumps(config))
+    args = script.Args(deepspeed_config=str(tmp_path / "zero3.json"), bf16=False)
+    model = AutoModelForCausalLM.from_pretrained(os.path.join(TINY, "sft"))
+    expected = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    largest_module = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules())
+    total = sum(p.numel() for p in model.parameters())
+    engine = deepspeed.initialize(model=model, config=script.ds_config(args, train=False))[0]
+    assert all(p.numel() == 0 for p in engine.module.parameters())  # partitioned: nothing is whole
+    gathered, original = [], deepspeed.zero.GatheredParameters
+
+    def recording(params, *a, **k):
+        gathered.append(sum(p.ds_numel for p in params))
+        return original(params, *a, **k)
+
+    monkeypatch.setattr(deepspeed.zero, "GatheredParameters", recording)
+    state = script.gathered_state_dict(engine)
+    assert state.keys() == expected.keys()
+    assert all(torch.equal(state[name], expected[name]) for name in expected)
+    assert max(gathered) == largest_module < total / 3  # the embeddings, never the whole model
+
+
+def _load_fresh(path, name):
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("bf16_supported", [True, False])
+def test_bf16_is_the_default_only_on_a_gpu_that_supports_it(monkeypatch, bf16_supported):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: bf16_supported)
+    for name in ("rloo", "online_dpo", "bok", "ppo", "online_dpo_vllm", "evaluate"):
+        module = _load_fresh(os.path.join(ROOT, f"{name}.py"), f"fresh_{name}")
+        assert module.Args().bf16 is bf16_supported, name
+
+
+@pytest.mark.parametrize("config_file", sorted(glob.glob(os.path.join(ROOT, "ds_configs", "*.json"))),
+                         ids=os.path.basename)
+def test_every_deepspeed_config_is_valid_as_the_scripts_fill_it_in(config_file):
+    with open(config_file) as f:
+        zero = json.load(f)["zero_optimization"]
+    for bf16 in (True, False):
+        args = script.Args(deepspeed_config=config_file, bf16=bf16, per_device_train_batch_size=16,
+                           gradient_accumulation_steps=4)
+        for train in (True, False):
+            config = script.ds_config(args, train)
+            parsed = DeepSpeedConfig(config)  # DeepSpeed's own parser and checks
+            assert parsed.bfloat16_config.enabled is bf16
+            assert parsed.train_micro_batch_size_per_gpu == 16
+            assert parsed.gradient_accumulation_steps == (4 if train else 1)
+            if train:
+                assert parsed.zero_optimization_stage == zero["stage"]
+                assert parsed.gradient_clipping == 1.0
+            else:  # frozen: partitioned like the policy under ZeRO-3, else replicated; never optimizer state
+                assert parsed.zero_optimization_stage == (3 if zero["stage"] == 3 else 0)
+                assert "offload_optimizer" not in config["zero_optimization"]
+            # zero3_offload.json offloads the parameters of frozen models too, not only the policy's
+            offloaded = parsed.zero_config.offload_param is not None and parsed.zero_config.offload_param.device == "cpu"
+            assert offloaded == ("offload_param" in zero)
