@@ -1,32 +1,38 @@
 #!/usr/bin/env bash
-# The paper's TL;DR experiments (Noukhovitch et al. 2025, section 3-4), one command per run, then
+# The paper's TL;DR experiments (Noukhovitch et al. 2025, sections 3-4), one command per run, then
 # the paper's evaluation of every checkpoint with evaluate.py.
 #
-#   bash benchmark/tldr.sh <algorithm> <size> <mode>     # runs one experiment, then evaluates it
-#   bash benchmark/tldr.sh --print <algorithm> <size> <mode>   # only prints the commands
+#   bash benchmark/tldr.sh <algorithm> <size> <mode>          # runs one experiment, then evaluates it
+#   bash benchmark/tldr.sh --print <algorithm> <size> <mode>  # only prints the two commands
 #
 #   algorithm: online_dpo | ppo | rloo | bok
 #   size:      410m | 1b | 2.8b
-#   mode:      sync  (4 training GPUs; generation on them, HF generate)
-#              async (online_dpo only: 3 training GPUs + vLLM on the 4th, 1 update off-policy)
+#   mode:      async (online_dpo: 3 training GPUs + vLLM on the 4th, one update off-policy)
+#              sync  (online_dpo: the same 3+1 layout with --sync: the baseline of the paper's speed-up)
+#              hf    (4 training GPUs generating with HF, the paper code's synchronous 4-GPU configs)
 #
 # Meant for one node with 4 NVIDIA A100 80GB (the paper's hardware), CUDA, `pip install -r
 # requirements.txt`, a Hugging Face hub connection, and `wandb login`. It has NOT been run by this
-# project: the machine it was written on has no GPU and no hub access.
+# project: the machine it was written on has no GPU and no hub access. tests/test_tldr.py checks
+# the printed commands against the paper's settings.
 #
-# Settings, as in the paper and its code (github.com/mnoukhov/async_rlhf, configs/*_tldr*.yml):
-# SFT mnoukhov/pythia{size}-sft-tldr, reward model mnoukhov/pythia{size}-rm-tldr6.9b, gold reward
-# model cleanrl/EleutherAI_pythia-6.9b-deduped__reward__tldr (evaluation only), learning rate 3e-6
-# (linear decay), 512 episodes per batch, 131072 episodes, temperature 0.7, KL coefficient 0.05,
-# DPO beta 0.1, missing-EOS penalty -1, responses of 53 tokens, prompts of up to 512, one epoch,
-# bf16.
+# Settings, as in the paper's code (github.com/mnoukhov/async_rlhf, configs/*_tldr*.yml and the
+# defaults of the TRL 0.9.4 it builds on): SFT mnoukhov/pythia{size}-sft-tldr, reward model
+# mnoukhov/pythia{size}-rm-tldr6.9b, learning rate 3e-6 (linear decay), temperature 0.7, KL
+# coefficient 0.05 (RLOO, PPO), DPO beta 0.1, responses of 53 tokens, prompts of up to 512, one
+# epoch, one mini-batch, DeepSpeed ZeRO-2 at every size, bf16. A response without EOS gets the
+# score -1 in place of its reward-model score (--missing-eos-mode replace; TRL adds instead).
+# Evaluation: the gold reward model cleanrl/EleutherAI_pythia-6.9b-deduped__reward__tldr (its
+# tokenizer lacks the SFT model's pad token: evaluate.py scores the re-tokenised text), responses
+# of up to 128 tokens at temperature 0.01, win rate against the dataset's references.
 #
-# Batch units. Our scripts count sampled responses. The paper's RLOO, best-of-2 and PPO code counts
-# them too (PPO samples one response per prompt), but its online DPO counts prompts, each sampled
-# twice: its "512 episodes" are 512 pairs. To run the same online DPO, its commands below sample
-# 1024 responses per batch and 262144 in all (the same 256 updates).
-# Async with 3 training ranks: 1024 is not a multiple of 3 x 32, so a batch there is
-# 3 x 32 x 11 = 1056 responses (528 pairs, 3 % more than sync) over the same 256 updates.
+# Batch units. Our scripts count sampled responses. The paper's online DPO counts prompts, each
+# sampled twice, so its batches of P prompts are 2P responses here:
+#   async, sync: 504 prompts a batch (3 GPUs x pairs per device x accumulation: 3 x 21 x 8 for 410m,
+#                3 x 8 x 21 for 1b, 3 x 6 x 28 for 2.8b), 129,024 prompts = 256 updates;
+#   hf:          512 prompts a batch (4 x 32 x 4, 4 x 16 x 8, 4 x 4 x 32), 131,072 prompts = 256 updates.
+# RLOO, best-of-2 and PPO count responses in the paper's code too: 512 a batch on 4 GPUs, 131,072 in
+# all. The paper ran them at 410m only; at 2.8b these commands add gradient checkpointing (our choice).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -35,43 +41,47 @@ if [ "${1:-}" = "--print" ]; then print_only=1; shift; fi
 if [ $# -ne 3 ]; then sed -n '2,16p' "$0"; exit 2; fi
 algorithm=$1 size=$2 mode=$3
 
-case $size in
-  410m|1b) zero=ds_configs/zero2.json ;;
-  2.8b) zero=ds_configs/zero3.json ;;
-  *) echo "error: size must be 410m, 1b or 2.8b, got $size" >&2; exit 2 ;;
-esac
+case $size in 410m|1b|2.8b) ;; *) echo "error: size must be 410m, 1b or 2.8b, got $size" >&2; exit 2 ;; esac
+case $mode in async|sync|hf) ;; *) echo "error: mode must be async, sync or hf, got $mode" >&2; exit 2 ;; esac
 data=vwxyzjn/summarize_from_feedback_tldr_3_filtered_oai_preprocessing_1706381144
 gold=cleanrl/EleutherAI_pythia-6.9b-deduped__reward__tldr
 out=runs/tldr/${algorithm}_${size}_${mode}
 common=(--sft-model-path "mnoukhov/pythia${size}-sft-tldr" --reward-model-path "mnoukhov/pythia${size}-rm-tldr6.9b"
         --gold-reward-model-path None --dataset-name "$data" --dataset-train-split train
         --dataset-eval-split validation --max-prompt-length 512 --response-length 53 --temperature 0.7
-        --missing-eos-penalty -1.0 --learning-rate 3e-6 --num-ppo-epochs 1 --num-mini-batches 1
-        --deepspeed-config "$zero" --eval-every 16 --num-eval-prompts 512 --save-every 64
-        --track --wandb-project-name async-rlhf-tldr --exp-name "${algorithm}_${size}_${mode}" --output-dir "$out")
+        --missing-eos-mode replace --missing-eos-penalty -1.0 --learning-rate 3e-6 --num-ppo-epochs 1
+        --num-mini-batches 1 --deepspeed-config ds_configs/zero2.json --eval-every 16 --num-eval-prompts 512
+        --save-every 64 --track --wandb-project-name async-rlhf-tldr --exp-name "${algorithm}_${size}_${mode}"
+        --output-dir "$out")
 
-# 4 GPUs x per-device 16 responses x gradient accumulation = responses per batch.
+# Responses per device and micro-batch x accumulation steps, by size (pairs x 2 for online DPO).
+case $size in
+  410m) vllm_batch=(42 8) hf_dpo_batch=(64 4) hf_batch=(16 8) ;;
+  1b) vllm_batch=(16 21) hf_dpo_batch=(32 8) hf_batch=(16 8) ;;
+  2.8b) vllm_batch=(12 28) hf_dpo_batch=(8 32) hf_batch=(4 32 --gradient-checkpointing) ;;
+esac
+batch() { echo --per-device-train-batch-size "$1" --gradient-accumulation-steps "$2" "${@:3}"; }
+
 case $algorithm/$mode in
-  rloo/sync) train=(deepspeed --num_gpus 4 rloo.py --k 2 --kl-coef 0.05 --per-device-train-batch-size 16
-                    --gradient-accumulation-steps 8 --total-episodes 131072) ;;
-  bok/sync) train=(deepspeed --num_gpus 4 bok.py --k 2 --per-device-train-batch-size 16
-                   --gradient-accumulation-steps 8 --total-episodes 131072) ;;
-  ppo/sync) train=(deepspeed --num_gpus 4 ppo.py --kl-coef 0.05 --gamma 1.0 --lam 0.95 --vf-coef 0.1
-                   --cliprange 0.2 --cliprange-value 0.2 --per-device-train-batch-size 16
-                   --gradient-accumulation-steps 8 --total-episodes 131072) ;;
-  online_dpo/sync) train=(deepspeed --num_gpus 4 online_dpo.py --k 2 --beta 0.1 --loss-type sigmoid
-                          --per-device-train-batch-size 32 --gradient-accumulation-steps 8 --total-episodes 262144) ;;
-  online_dpo/async) train=(deepspeed --num_gpus 3 online_dpo_vllm.py --k 2 --beta 0.1 --loss-type sigmoid
-                           --off-policy-steps 1 --vllm-gpu 3 --vllm-gpu-memory-utilization 0.9
-                           --per-device-train-batch-size 32 --gradient-accumulation-steps 11
-                           --total-episodes 270336) ;;
-  */async) echo "error: only online_dpo has an asynchronous script (online_dpo_vllm.py)" >&2; exit 2 ;;
+  online_dpo/async|online_dpo/sync)
+    train=(deepspeed --num_gpus 3 online_dpo_vllm.py --k 2 --beta 0.1 --loss-type sigmoid --vllm-gpu 3
+           $(batch "${vllm_batch[@]}") --total-episodes 258048)
+    [ "$mode" = sync ] && train+=(--sync) || train+=(--off-policy-steps 1) ;;
+  online_dpo/hf) train=(deepspeed --num_gpus 4 online_dpo.py --k 2 --beta 0.1 --loss-type sigmoid
+                        $(batch "${hf_dpo_batch[@]}") --total-episodes 262144) ;;
+  rloo/hf) train=(deepspeed --num_gpus 4 rloo.py --k 2 --kl-coef 0.05 $(batch "${hf_batch[@]}")
+                  --total-episodes 131072) ;;
+  bok/hf) train=(deepspeed --num_gpus 4 bok.py --k 2 $(batch "${hf_batch[@]}") --total-episodes 131072) ;;
+  ppo/hf) train=(deepspeed --num_gpus 4 ppo.py --kl-coef 0.05 --gamma 1.0 --lam 0.95 --vf-coef 0.1 --cliprange 0.2
+                 --cliprange-value 0.2 $(batch "${hf_batch[@]}") --total-episodes 131072) ;;
+  online_dpo/*|rloo/*|bok/*|ppo/*) echo "error: $algorithm has no asynchronous script yet (mode hf only)" >&2; exit 2 ;;
   *) echo "error: algorithm must be online_dpo, ppo, rloo or bok, got $algorithm" >&2; exit 2 ;;
 esac
 
 evaluate=(python evaluate.py --checkpoints "$out/RUN" --sft-model-path "mnoukhov/pythia${size}-sft-tldr"
           --gold-reward-model-path "$gold" --dataset-name "$data" --dataset-eval-split validation
-          --max-prompt-length 512 --response-length 53 --vllm-gpu 1 --track --wandb-project-name async-rlhf-tldr)
+          --max-prompt-length 512 --response-length 128 --temperature 0.01 --track
+          --wandb-project-name async-rlhf-tldr)
 
 echo "${train[*]} ${common[*]}"
 echo "${evaluate[*]}   # RUN: the run directory the first command created"

@@ -4,7 +4,9 @@ import json
 import os
 
 import pytest
+import torch
 from conftest import TINY, assert_bad_input, run_dir_of, run_script
+from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 
 @pytest.fixture(scope="module")
@@ -58,3 +60,46 @@ def test_win_rate_and_kl_of_every_checkpoint_with_both_backends(trained_run, tmp
 ])
 def test_bad_input_exits_2_with_one_line_naming_the_argument(arguments, argument):
     assert_bad_input("evaluate.py", arguments, argument)
+
+
+def _gold_model_with_another_tokenizer(path):
+    """The tiny gold reward model under a tokenizer that numbers every ordinary token differently (in reverse)
+    and has no pad token (like the paper's gold model, whose tokenizer lacks the SFT model's): the same
+    model of the same texts, which only scoring re-tokenised text can read."""
+    gold = os.path.join(TINY, "gold_reward")
+    with open(os.path.join(gold, "tokenizer.json")) as f:
+        spec = json.load(f)
+    vocab = spec["model"]["vocab"]
+    new_id = {old: (old if old < 2 else len(vocab) + 1 - old) for old in vocab.values()}  # 0, 1: EOS and padding
+    spec["model"]["vocab"] = {token: new_id[old] for token, old in vocab.items()}
+    model = AutoModelForSequenceClassification.from_pretrained(gold)
+    weight = model.get_input_embeddings().weight
+    with torch.no_grad():
+        weight[list(new_id.values())] = weight[list(new_id.keys())].clone()
+    model.config.pad_token_id = None
+    model.save_pretrained(path)
+    with open(os.path.join(path, "tokenizer.json"), "w") as f:
+        json.dump(spec, f)
+    with open(os.path.join(gold, "tokenizer_config.json")) as f:
+        config = {k: v for k, v in json.load(f).items() if k != "pad_token"}
+    with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
+        json.dump(config, f)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    assert tokenizer.pad_token is None and tokenizer.encode(" beach") != AutoTokenizer.from_pretrained(gold).encode(" beach")
+
+
+def test_a_gold_model_with_another_tokenizer_scores_the_text(tmp_path):
+    other = str(tmp_path / "other_gold")
+    _gold_model_with_another_tokenizer(other)
+    common = ["--checkpoints", os.path.join(TINY, "sft"), "--backend", "hf", "--num-eval-prompts", "64"]
+    run_script("evaluate.py", *common, "--output", str(tmp_path / "same.json"))
+    result = run_script("evaluate.py", *common, "--gold-reward-model-path", other, "--output", str(tmp_path / "other.json"))
+    assert "the gold model scores the text in its own tokens" in result.stdout
+    same, other = (json.loads((tmp_path / f"{name}.json").read_text()) for name in ("same", "other"))
+    assert other["reference_gold_score"] == pytest.approx(same["reference_gold_score"], abs=1e-5)
+    (a,), (b,) = same["checkpoints"].values(), other["checkpoints"].values()
+    for key in ("gold_score", "gold_margin"):
+        assert b[key] == pytest.approx(a[key], abs=1e-5), key
+    # A response whose text equals its reference scores the same up to the last bits of a float, which the
+    # padding of the batch moves; the paper's strict "better than" turns such a tie either way (1 of 64 here).
+    assert b["win_rate"] == pytest.approx(a["win_rate"], abs=2 / 64)

@@ -1,0 +1,83 @@
+#!/usr/bin/env bash
+# GPU smoke test: what no CPU test can show. Runs every script for a few updates of the offline tiny task
+# in bf16 on the GPUs of this machine and prints PASS or FAIL per check, then a count. Not part of CI.
+#
+#   pip install -r requirements.txt && bash benchmark/gpu_smoke.sh      # needs 1 GPU; 2 and 3 GPUs add checks
+#
+# 1 GPU:  each script alone (rloo, online_dpo, bok, ppo: HF generation; online_dpo_vllm: vLLM colocated on
+#         the training GPU with the memory share it chose), finite metrics, staleness 0,1,1,1; evaluate.py
+#         with vLLM. This is where NCCL meets CPU tensors (gloo beside it), bf16, and vLLM's memory check.
+# 2 GPUs: rloo.py and ppo.py under ZeRO-3 (collectives on NCCL, parameters gathered per module).
+# 3 GPUs: deepspeed --num_gpus 2 online_dpo_vllm.py with ZeRO-3: vLLM on GPU 2 (read from nvidia-smi while it
+#         runs), staleness K = 2, weights gathered and handed over every update.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out=${OUT:-$(mktemp -d)}/gpu_smoke
+mkdir -p "$out"
+gpus=$(nvidia-smi --query-gpu=index --format=csv,noheader | wc -l)
+passed=0 failed=0
+check() {  # check <name> <command...>: PASS when the command succeeds
+  local name=$1; shift
+  if "$@" >"$out/$name.log" 2>&1; then echo "PASS $name"; passed=$((passed + 1))
+  else echo "FAIL $name (log: $out/$name.log)"; tail -n 5 "$out/$name.log" | sed 's/^/    /'; failed=$((failed + 1)); fi
+}
+metrics_ok() {  # metrics_ok <run output dir> <updates> [staleness...]: finite metrics, every update, staleness as given
+  python - "$@" <<'EOF'
+import glob, json, math, sys
+out, updates, staleness = sys.argv[1], int(sys.argv[2]), [int(s) for s in sys.argv[3:]]
+(path,) = glob.glob(f"{out}/*__*/metrics.jsonl")
+rows = [json.loads(line) for line in open(path)]
+assert [r["update"] for r in rows] == list(range(updates + 1)), [r["update"] for r in rows]
+bad = [(r["update"], k, v) for r in rows for k, v in r.items() if not math.isfinite(v)]
+assert not bad, bad
+assert "eval/gold_scores" in rows[-1]
+if staleness:
+    assert [r["async/staleness"] for r in rows[1:]] == staleness, [r["async/staleness"] for r in rows[1:]]
+print(json.dumps(rows[-1]))
+EOF
+}
+vllm_gpus() {  # the GPU indices of vLLM's processes (VLLM::...) seen by nvidia-smi while <command> runs
+  local seen="$out/vllm_gpus.txt"; : >"$seen"
+  "$@" & local pid=$!
+  while kill -0 "$pid" 2>/dev/null; do
+    nvidia-smi --query-compute-apps=pid,gpu_uuid --format=csv,noheader | while IFS=', ' read -r p uuid; do
+      if ps -o args= -p "$p" 2>/dev/null | grep -q '^VLLM::'; then
+        nvidia-smi --query-gpu=index,uuid --format=csv,noheader | awk -F', ' -v u="$uuid" '$2 == u {print $1}' >>"$seen"
+      fi
+    done
+    sleep 2
+  done
+  wait "$pid"
+}
+run1() { python "$@" --bf16 --total-episodes 256 --eval-every 2 --num-eval-prompts 64; }
+
+echo "$gpus GPU(s); logs in $out"
+# 1 GPU
+for script in rloo online_dpo bok ppo; do
+  check "1gpu_$script" bash -c "$(declare -f run1); CUDA_VISIBLE_DEVICES=0 run1 $script.py --output-dir $out/1gpu_$script"
+  check "1gpu_${script}_metrics" metrics_ok "$out/1gpu_$script" 4
+done
+check 1gpu_online_dpo_vllm bash -c "$(declare -f run1); CUDA_VISIBLE_DEVICES=0 run1 online_dpo_vllm.py --output-dir $out/1gpu_vllm"
+check 1gpu_online_dpo_vllm_metrics metrics_ok "$out/1gpu_vllm" 4 0 1 1 1
+check 1gpu_vllm_shares_gpu_0 grep -q "vLLM shares GPU 0 with training and takes" "$out/1gpu_online_dpo_vllm.log"
+check 1gpu_evaluate_vllm bash -c "CUDA_VISIBLE_DEVICES=0 python evaluate.py --checkpoints $out/1gpu_vllm --num-eval-prompts 256 --backend vllm --output $out/evaluation.json"
+
+# 2 GPUs: ZeRO-3 over NCCL
+if [ "$gpus" -ge 2 ]; then
+  for script in rloo ppo; do
+    check "2gpu_zero3_$script" deepspeed --num_gpus 2 "$script.py" --deepspeed-config ds_configs/zero3.json --bf16 \
+      --per-device-train-batch-size 32 --total-episodes 192 --eval-every 1 --num-eval-prompts 64 --output-dir "$out/2gpu_$script"
+    check "2gpu_zero3_${script}_metrics" metrics_ok "$out/2gpu_$script" 3
+  done
+else echo "SKIP 2-GPU checks (1 GPU)"; fi
+
+# 3 GPUs: 2 training ranks, vLLM on a GPU of its own
+if [ "$gpus" -ge 3 ]; then
+  check 3gpu_online_dpo_vllm vllm_gpus deepspeed --num_gpus 2 online_dpo_vllm.py --deepspeed-config ds_configs/zero3.json \
+    --bf16 --off-policy-steps 2 --per-device-train-batch-size 32 --total-episodes 320 --eval-every 1 \
+    --num-eval-prompts 64 --output-dir "$out/3gpu_vllm"
+  check 3gpu_online_dpo_vllm_metrics metrics_ok "$out/3gpu_vllm" 5 0 1 2 2 2
+  check 3gpu_vllm_on_gpu_2 bash -c "[ \"\$(sort -u $out/vllm_gpus.txt | tr '\n' ' ')\" = '2 ' ]"
+else echo "SKIP 3-GPU checks ($gpus GPU(s))"; fi
+echo "$passed passed, $failed failed"
+[ "$failed" = 0 ]
