@@ -28,7 +28,7 @@ def test_pairs_are_the_highest_and_lowest_score_and_ties_go_to_the_first_sample(
 def test_the_missing_eos_penalty_can_turn_a_pair_around():
     # k = 2 samples of one prompt: sample 0 scores higher but never stops.
     responses = torch.tensor([[5, 6, 7], [5, STOP, PAD]])
-    scores = online_dpo.apply_missing_eos_penalty(torch.tensor([1.0, 0.5]), responses, STOP, -1.0)
+    scores = online_dpo.apply_missing_eos_penalty(torch.tensor([1.0, 0.5]), responses, STOP, -1.0, "add")
     chosen, rejected = online_dpo.select_pairs(scores, 2)
     assert scores.tolist() == [0.0, 0.5] and chosen.tolist() == [1] and rejected.tolist() == [0]
 
@@ -76,7 +76,7 @@ def test_best_of_k_keeps_the_highest_score_and_the_first_of_ties():
     assert bok.select_best(scores, 3).tolist() == [3, 1, 2]
     # A response without a stop token loses its lead to the penalty.
     responses = torch.tensor([[5, 6, 7], [5, STOP, PAD]])
-    penalised = bok.apply_missing_eos_penalty(torch.tensor([1.0, 0.5]), responses, STOP, -1.0)
+    penalised = bok.apply_missing_eos_penalty(torch.tensor([1.0, 0.5]), responses, STOP, -1.0, "add")
     assert bok.select_best(penalised, 2).tolist() == [1]
 
 

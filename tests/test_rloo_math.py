@@ -26,7 +26,7 @@ def test_truncate_response_pads_after_the_first_stop_token_and_from_the_first_pa
 
 def test_missing_eos_penalty_is_added_only_without_a_stop_token():
     responses = torch.tensor([[5, STOP, PAD], [5, 6, 7], [STOP, PAD, PAD]])
-    scores = rloo.apply_missing_eos_penalty(torch.tensor([1.0, 2.0, -0.5]), responses, STOP, -1.0)
+    scores = rloo.apply_missing_eos_penalty(torch.tensor([1.0, 2.0, -0.5]), responses, STOP, -1.0, "add")
     assert scores.tolist() == [1.0, 1.0, -0.5]
 
 
