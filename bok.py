@@ -31,7 +31,6 @@ if not torch.cuda.is_available():
 
 import deepspeed
 import torch.distributed as dist
-import torch.nn.functional as F
 import tyro
 from datasets import load_dataset
 from deepspeed.accelerator import get_accelerator
@@ -123,22 +122,8 @@ class Args:
     """(set at run time) responses per generation batch on each device"""
     batch_size: int = 0
     """(set at run time) responses per generation batch on all devices"""
-    mini_batch_size: int = 0
-    """(set at run time) responses per optimizer step on all devices"""
     num_updates: int = 0
     """(set at run time) number of generation batches"""
-
-
-def fail(argument, message):
-    """Bad input: one line on stderr naming the argument, exit code 2."""
-    print(f"error: --{argument.replace('_', '-')}: {message}", file=sys.stderr)
-    sys.exit(2)
-
-
-def check_model_path(argument, path):
-    looks_like_hub_id = path.count("/") == 1 and not path.startswith((".", "/", "~"))
-    if not os.path.isdir(path) and not looks_like_hub_id:
-        fail(argument, f"no such directory: {path}")
 
 
 def validate(args):
@@ -163,7 +148,6 @@ def validate(args):
             fail(name, "must be 0 or more")
     args.local_batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps * args.num_mini_batches
     args.batch_size = args.local_batch_size * args.world_size
-    args.mini_batch_size = args.batch_size // args.num_mini_batches
     args.num_updates = args.total_episodes // args.batch_size
     if args.num_updates < 1:
         fail("total_episodes", f"must be at least one batch of {args.batch_size} responses")
@@ -180,6 +164,43 @@ def validate(args):
     if positions is not None and args.max_prompt_length + args.response_length > positions:
         fail("response_length", f"max_prompt_length + response_length = {args.max_prompt_length + args.response_length}"
                                 f" exceeds the model's {positions} positions")
+
+
+# ===========================================================================================================
+# The algorithm: the only functions that differ between the algorithm scripts. To try a new loss,
+# change these and steps 3-4 of the loop in the main block.
+# ===========================================================================================================
+
+def select_best(scores, k):
+    """Index of the highest-scoring response to each prompt (the first of equal scores).
+
+    `scores` holds k blocks of the same prompts: index j * num_prompts + i is sample j of prompt i."""
+    scores = scores.view(k, -1)
+    num_prompts = scores.shape[1]
+    return scores.argmax(0) * num_prompts + torch.arange(num_prompts, device=scores.device)
+
+
+def sft_loss(logprobs, padding_mask):
+    """Negative log-likelihood per response token, averaged over the tokens of the micro-batch
+    (as supervised fine-tuning averages it); the stop token counts, padding does not."""
+    return -masked_mean(logprobs, ~padding_mask)
+
+
+# ===========================================================================================================
+# Plumbing, identical in every script that has it (tests/test_shared_helpers.py keeps the copies equal):
+# data, generation, scoring, evaluation, checkpoints, distributed and run set-up. Change one, change all.
+# ===========================================================================================================
+
+def fail(argument, message):
+    """Bad input: one line on stderr naming the argument, exit code 2."""
+    print(f"error: --{argument.replace('_', '-')}: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def check_model_path(argument, path):
+    looks_like_hub_id = path.count("/") == 1 and not path.startswith((".", "/", "~"))
+    if not os.path.isdir(path) and not looks_like_hub_id:
+        fail(argument, f"no such directory: {path}")
 
 
 def load_prompts(args, tokenizer):
@@ -311,21 +332,6 @@ def apply_missing_eos_penalty(scores, responses, stop_token_id, penalty, mode):
     return scores + penalty * missing.float()
 
 
-def select_best(scores, k):
-    """Index of the highest-scoring response to each prompt (the first of equal scores).
-
-    `scores` holds k blocks of the same prompts: index j * num_prompts + i is sample j of prompt i."""
-    scores = scores.view(k, -1)
-    num_prompts = scores.shape[1]
-    return scores.argmax(0) * num_prompts + torch.arange(num_prompts, device=scores.device)
-
-
-def sft_loss(logprobs, padding_mask):
-    """Negative log-likelihood per response token, averaged over the tokens of the micro-batch
-    (as supervised fine-tuning averages it); the stop token counts, padding does not."""
-    return -masked_mean(logprobs, ~padding_mask)
-
-
 def masked_mean(values, mask):
     return (values * mask).sum() / mask.sum().clamp(min=1)
 
@@ -424,7 +430,7 @@ def latest_checkpoint(path):
     """`path` if it is a checkpoint, else the checkpoint of `path` with the highest update."""
     if os.path.isfile(os.path.join(path, "trainer_state.json")):
         return path
-    updates = [int(d.split("-")[1]) for d in os.listdir(path) if d.startswith("checkpoint-") and d[11:].isdigit()]
+    updates = [int(d.split("-")[1]) for d in os.listdir(path) if d.startswith("checkpoint-") and d[len("checkpoint-"):].isdigit()]
     if not updates:
         fail("resume", f"no checkpoint in {path}")
     return os.path.join(path, f"checkpoint-{max(updates)}")
@@ -548,7 +554,6 @@ if __name__ == "__main__":
             model.config.pad_token_id = tokenizer.pad_token_id
             if len(tokenizer) > model.get_input_embeddings().num_embeddings:  # room for an added pad token
                 model.resize_token_embeddings(len(tokenizer))
-    policy.generation_config.pad_token_id = tokenizer.pad_token_id
     if args.gradient_checkpointing:
         policy.gradient_checkpointing_enable()
 
@@ -680,7 +685,8 @@ if __name__ == "__main__":
             "time/scoring": t2 - t1,
             "time/training": t3 - t2,
         }, device)
-        metrics.update(lr=policy.get_lr()[0], episode=episode, eps=(episode - start_episode) / (time.time() - start_time))
+        metrics.update({"lr": policy.get_lr()[0], "episode": episode,
+                        "time/episodes_per_second": (episode - start_episode) / (time.time() - start_time)})
         samples = None
         if (args.eval_every and update % args.eval_every == 0) or update == args.num_updates:
             eval_metrics, samples = evaluate(args, policy, reward_model, gold_model, eval_prompts, tokenizer, stop_id, device)
@@ -691,7 +697,7 @@ if __name__ == "__main__":
                     tqdm.write(f"  {query!r} -> {response!r} (score {score})")
         log(update, metrics, samples)
         progress.set_postfix(score=f"{metrics['objective/scores']:.3f}", kl=f"{metrics['objective/kl']:.2f}",
-                             eps=f"{metrics['eps']:.0f}")
+                             eps=f"{metrics['time/episodes_per_second']:.0f}")
         if (args.save_every and update % args.save_every == 0) or update == args.num_updates:
             save_checkpoint(args, run_dir, update, episode, {"policy": policy}, tokenizer)
 

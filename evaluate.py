@@ -95,6 +95,154 @@ class Args:
     """(set at run time) responses per generation batch on all devices"""
 
 
+def validate(args):
+    """Check the arguments before any model is loaded."""
+    if args.checkpoints is None:
+        fail("checkpoints", "required: a run directory, a checkpoint or a model")
+    check_model_path("checkpoints", args.checkpoints)
+    check_model_path("sft_model_path", args.sft_model_path)
+    if args.gold_reward_model_path is None:
+        fail("gold_reward_model_path", "required: the win rate is measured with a gold reward model")
+    check_model_path("gold_reward_model_path", args.gold_reward_model_path)
+    for name in ("temperature", "kl_temperature"):
+        if getattr(args, name) <= 0:
+            fail(name, f"must be positive, got {getattr(args, name)}")
+    for name in ("response_length", "max_prompt_length", "per_device_eval_batch_size"):
+        if getattr(args, name) < 1:
+            fail(name, f"must be at least 1, got {getattr(args, name)}")
+    if args.num_eval_prompts < 0:
+        fail("num_eval_prompts", "must be 0 (all) or more")
+    if args.vllm_gpu_memory_utilization is not None and not 0 < args.vllm_gpu_memory_utilization <= 1:
+        fail("vllm_gpu_memory_utilization", f"must be in (0, 1], got {args.vllm_gpu_memory_utilization}")
+    if args.bf16 and torch.cuda.is_available() and not torch.cuda.is_bf16_supported():
+        fail("bf16", "this GPU does not support bfloat16; evaluate in float32 with --no-bf16")
+    if args.backend not in ("auto", "vllm", "hf"):
+        fail("backend", f"must be auto, vllm or hf, got {args.backend!r}")
+    has_vllm = importlib.util.find_spec("vllm") is not None
+    if args.backend == "vllm" and not has_vllm:
+        fail("backend", "vllm is not installed")
+    args.backend = "vllm" if args.backend == "auto" and has_vllm else "hf" if args.backend == "auto" else args.backend
+    args.batch_size = args.per_device_eval_batch_size
+
+
+# ===========================================================================================================
+# Evaluation's own functions: sampling, scoring and the paper's metrics.
+# ===========================================================================================================
+
+def find_checkpoints(path):
+    """The checkpoints of a run directory, by update; or `path` itself when it is a model."""
+    if not os.path.isdir(path) or os.path.isfile(os.path.join(path, "config.json")):
+        return [path]
+    updates = sorted(int(d.split("-")[1]) for d in os.listdir(path) if d.startswith("checkpoint-") and d[len("checkpoint-"):].isdigit())
+    if not updates:
+        fail("checkpoints", f"no checkpoint-<update> directory and no model in {path}")
+    return [os.path.join(path, f"checkpoint-{update}") for update in updates]
+
+
+def load_eval_data(args, tokenizer, stop_id):
+    """Tokenised prompts and reference responses (with the stop token appended) of the eval split."""
+    if not os.path.exists(args.dataset_name) and args.dataset_name.count("/") != 1:
+        fail("dataset_name", f"no such directory: {args.dataset_name}")
+    dataset = load_dataset(args.dataset_name)
+    if args.dataset_eval_split not in dataset:
+        fail("dataset_eval_split", f"dataset {args.dataset_name} has no split {args.dataset_eval_split!r} "
+                                   f"(it has {sorted(dataset)})")
+    split = dataset[args.dataset_eval_split]
+    for column, argument in (("query", "dataset_name"), (args.reference_column, "reference_column")):
+        if column not in split.column_names:
+            fail(argument, f"split {args.dataset_eval_split!r} has no {column!r} column (it has {split.column_names})")
+    if args.num_eval_prompts:
+        split = split.select(range(min(args.num_eval_prompts, len(split))))
+    prompts = [q[-args.max_prompt_length:] for q in
+               tokenizer(list(split["query"]), add_special_tokens=False)["input_ids"]]
+    references = [r[: args.response_length - 1] + [stop_id] if stop_id not in r[: args.response_length] else
+                  r[: r.index(stop_id) + 1] for r in
+                  tokenizer(list(split[args.reference_column]), add_special_tokens=False)["input_ids"]]
+    return prompts, references
+
+
+def sample(args, policy, llm, prompts, tokenizer, stop_id, temperature, seed, device):
+    """One response per prompt at `temperature`, truncated after the stop token, as a padded tensor."""
+    pad = tokenizer.pad_token_id
+    if llm is not None:
+        responses = right_pad(vllm_generate(llm, prompts, 1, args.response_length, stop_id, temperature, seed), pad,
+                              device)
+    else:
+        torch.manual_seed(seed)
+        chunks = [generate(policy, left_pad(prompts[i: i + args.per_device_eval_batch_size], pad, device), pad,
+                           stop_id, args.response_length, temperature)
+                  for i in range(0, len(prompts), args.per_device_eval_batch_size)]
+        responses = right_pad([row for chunk in chunks for row in chunk.tolist()], pad, device)
+    return truncate_response(responses, stop_id, pad)
+
+
+@torch.no_grad()
+def score(args, models, prompts, responses, tokenizers, device):
+    """Per response, over batches: gold score, and the sums over response tokens of the policy's
+    and the SFT model's log-probabilities at kl_temperature and of the SFT model's at temperature 1.
+    `tokenizers` are the policy's and, when its vocabulary differs, the gold model's (else None)."""
+    tokenizer, gold_tokenizer = tokenizers
+    pad = tokenizer.pad_token_id
+    out = {name: [] for name in ("gold", "policy_logprob", "sft_logprob", "sft_nll", "length")}
+    for i in range(0, len(prompts), args.per_device_eval_batch_size):
+        queries = left_pad(prompts[i: i + args.per_device_eval_batch_size], pad, device)
+        chunk = responses[i: i + args.per_device_eval_batch_size]
+        context_length, mask = queries.shape[1], chunk != pad
+        query_responses = torch.cat([queries, chunk], 1)
+        if gold_tokenizer is None:
+            out["gold"].append(reward_scores(models["gold"], query_responses, pad))
+        else:  # another vocabulary (the paper's gold model): the same text, in the gold model's tokens
+            texts = [tokenizer.decode(row[row != pad]) for row in query_responses]
+            gold_ids = gold_tokenizer(texts, add_special_tokens=False)["input_ids"]
+            out["gold"].append(reward_scores(models["gold"], left_pad(gold_ids, gold_tokenizer.pad_token_id, device),
+                                             gold_tokenizer.pad_token_id))
+        sft_logits = forward(models["sft"], query_responses, pad).logits
+        if "policy" in models:
+            policy_logits = forward(models["policy"], query_responses, pad).logits
+            for name, logits in (("policy_logprob", policy_logits), ("sft_logprob", sft_logits)):
+                out[name].append((response_logprobs(logits, chunk, context_length, args.kl_temperature) * mask).sum(1))
+        out["sft_nll"].append(-(response_logprobs(sft_logits, chunk, context_length, 1.0) * mask).sum(1))
+        out["length"].append(mask.sum(1))
+    return {name: torch.cat(values).float() for name, values in out.items() if values}
+
+
+def evaluate_checkpoint(args, models, llm, prompts, reference_gold, tokenizers, stop_id, device):
+    tokenizer = tokenizers[0]
+    pad = tokenizer.pad_token_id
+    responses = sample(args, models["policy"], llm, prompts, tokenizer, stop_id, args.temperature, args.seed, device)
+    kl_samples = sample(args, models["policy"], llm, prompts, tokenizer, stop_id, args.kl_temperature,
+                        args.seed + 1, device)
+    evaluated = score(args, {"gold": models["gold"], "sft": models["sft"]}, prompts, responses, tokenizers, device)
+    sampled = score(args, models, prompts, kl_samples, tokenizers, device)
+    gold = evaluated["gold"]
+    perplexity = torch.exp(evaluated["sft_nll"] / evaluated["length"].clamp(min=1))
+    metrics = {
+        "win_rate": (gold > reference_gold).float().mean().item(),
+        "gold_score": gold.mean().item(),
+        "gold_margin": (gold - reference_gold).mean().item(),
+        "kl": (sampled["policy_logprob"] - sampled["sft_logprob"]).mean().item(),
+        "perplexity": perplexity.mean().item(),
+        "response_length": evaluated["length"].mean().item(),
+    }
+    samples = [[tokenizer.decode(prompts[i]), tokenizer.decode(responses[i][responses[i] != pad]), round(gold[i].item(), 3)]
+               for i in range(min(4, len(prompts)))]
+    return metrics, samples
+
+
+def update_of(checkpoint):
+    """The training update a checkpoint was saved at (None for a model that is not a checkpoint)."""
+    state = os.path.join(checkpoint, "trainer_state.json")
+    if not os.path.isfile(state):
+        return None
+    with open(state) as f:
+        return json.load(f)["update"]
+
+
+# ===========================================================================================================
+# Plumbing, identical in every script that has it (tests/test_shared_helpers.py keeps the copies equal):
+# data, generation, scoring, evaluation, checkpoints, distributed and run set-up. Change one, change all.
+# ===========================================================================================================
+
 def fail(argument, message):
     """Bad input: one line on stderr naming the argument, exit code 2."""
     print(f"error: --{argument.replace('_', '-')}: {message}", file=sys.stderr)
@@ -316,145 +464,6 @@ def disable_dropout(model):
             module.p = 0.0
 
 
-def validate(args):
-    """Check the arguments before any model is loaded."""
-    if args.checkpoints is None:
-        fail("checkpoints", "required: a run directory, a checkpoint or a model")
-    check_model_path("checkpoints", args.checkpoints)
-    check_model_path("sft_model_path", args.sft_model_path)
-    if args.gold_reward_model_path is None:
-        fail("gold_reward_model_path", "required: the win rate is measured with a gold reward model")
-    check_model_path("gold_reward_model_path", args.gold_reward_model_path)
-    for name in ("temperature", "kl_temperature"):
-        if getattr(args, name) <= 0:
-            fail(name, f"must be positive, got {getattr(args, name)}")
-    for name in ("response_length", "max_prompt_length", "per_device_eval_batch_size"):
-        if getattr(args, name) < 1:
-            fail(name, f"must be at least 1, got {getattr(args, name)}")
-    if args.num_eval_prompts < 0:
-        fail("num_eval_prompts", "must be 0 (all) or more")
-    if args.vllm_gpu_memory_utilization is not None and not 0 < args.vllm_gpu_memory_utilization <= 1:
-        fail("vllm_gpu_memory_utilization", f"must be in (0, 1], got {args.vllm_gpu_memory_utilization}")
-    if args.bf16 and torch.cuda.is_available() and not torch.cuda.is_bf16_supported():
-        fail("bf16", "this GPU does not support bfloat16; evaluate in float32 with --no-bf16")
-    if args.backend not in ("auto", "vllm", "hf"):
-        fail("backend", f"must be auto, vllm or hf, got {args.backend!r}")
-    has_vllm = importlib.util.find_spec("vllm") is not None
-    if args.backend == "vllm" and not has_vllm:
-        fail("backend", "vllm is not installed")
-    args.backend = "vllm" if args.backend == "auto" and has_vllm else "hf" if args.backend == "auto" else args.backend
-    args.batch_size = args.per_device_eval_batch_size
-
-
-def find_checkpoints(path):
-    """The checkpoints of a run directory, by update; or `path` itself when it is a model."""
-    if not os.path.isdir(path) or os.path.isfile(os.path.join(path, "config.json")):
-        return [path]
-    updates = sorted(int(d.split("-")[1]) for d in os.listdir(path) if d.startswith("checkpoint-") and d[11:].isdigit())
-    if not updates:
-        fail("checkpoints", f"no checkpoint-<update> directory and no model in {path}")
-    return [os.path.join(path, f"checkpoint-{update}") for update in updates]
-
-
-def load_eval_data(args, tokenizer, stop_id):
-    """Tokenised prompts and reference responses (with the stop token appended) of the eval split."""
-    if not os.path.exists(args.dataset_name) and args.dataset_name.count("/") != 1:
-        fail("dataset_name", f"no such directory: {args.dataset_name}")
-    dataset = load_dataset(args.dataset_name)
-    if args.dataset_eval_split not in dataset:
-        fail("dataset_eval_split", f"dataset {args.dataset_name} has no split {args.dataset_eval_split!r} "
-                                   f"(it has {sorted(dataset)})")
-    split = dataset[args.dataset_eval_split]
-    for column, argument in (("query", "dataset_name"), (args.reference_column, "reference_column")):
-        if column not in split.column_names:
-            fail(argument, f"split {args.dataset_eval_split!r} has no {column!r} column (it has {split.column_names})")
-    if args.num_eval_prompts:
-        split = split.select(range(min(args.num_eval_prompts, len(split))))
-    prompts = [q[-args.max_prompt_length:] for q in
-               tokenizer(list(split["query"]), add_special_tokens=False)["input_ids"]]
-    references = [r[: args.response_length - 1] + [stop_id] if stop_id not in r[: args.response_length] else
-                  r[: r.index(stop_id) + 1] for r in
-                  tokenizer(list(split[args.reference_column]), add_special_tokens=False)["input_ids"]]
-    return prompts, references
-
-
-def sample(args, policy, llm, prompts, tokenizer, stop_id, temperature, seed, device):
-    """One response per prompt at `temperature`, truncated after the stop token, as a padded tensor."""
-    pad = tokenizer.pad_token_id
-    if llm is not None:
-        responses = right_pad(vllm_generate(llm, prompts, 1, args.response_length, stop_id, temperature, seed), pad,
-                              device)
-    else:
-        torch.manual_seed(seed)
-        chunks = [generate(policy, left_pad(prompts[i: i + args.per_device_eval_batch_size], pad, device), pad,
-                           stop_id, args.response_length, temperature)
-                  for i in range(0, len(prompts), args.per_device_eval_batch_size)]
-        responses = right_pad([row for chunk in chunks for row in chunk.tolist()], pad, device)
-    return truncate_response(responses, stop_id, pad)
-
-
-@torch.no_grad()
-def score(args, models, prompts, responses, tokenizers, device):
-    """Per response, over batches: gold score, and the sums over response tokens of the policy's
-    and the SFT model's log-probabilities at kl_temperature and of the SFT model's at temperature 1.
-    `tokenizers` are the policy's and, when its vocabulary differs, the gold model's (else None)."""
-    tokenizer, gold_tokenizer = tokenizers
-    pad = tokenizer.pad_token_id
-    out = {name: [] for name in ("gold", "policy_logprob", "sft_logprob", "sft_nll", "length")}
-    for i in range(0, len(prompts), args.per_device_eval_batch_size):
-        queries = left_pad(prompts[i: i + args.per_device_eval_batch_size], pad, device)
-        chunk = responses[i: i + args.per_device_eval_batch_size]
-        context_length, mask = queries.shape[1], chunk != pad
-        query_responses = torch.cat([queries, chunk], 1)
-        if gold_tokenizer is None:
-            out["gold"].append(reward_scores(models["gold"], query_responses, pad))
-        else:  # another vocabulary (the paper's gold model): the same text, in the gold model's tokens
-            texts = [tokenizer.decode(row[row != pad]) for row in query_responses]
-            gold_ids = gold_tokenizer(texts, add_special_tokens=False)["input_ids"]
-            out["gold"].append(reward_scores(models["gold"], left_pad(gold_ids, gold_tokenizer.pad_token_id, device),
-                                             gold_tokenizer.pad_token_id))
-        sft_logits = forward(models["sft"], query_responses, pad).logits
-        if "policy" in models:
-            policy_logits = forward(models["policy"], query_responses, pad).logits
-            for name, logits in (("policy_logprob", policy_logits), ("sft_logprob", sft_logits)):
-                out[name].append((response_logprobs(logits, chunk, context_length, args.kl_temperature) * mask).sum(1))
-        out["sft_nll"].append(-(response_logprobs(sft_logits, chunk, context_length, 1.0) * mask).sum(1))
-        out["length"].append(mask.sum(1))
-    return {name: torch.cat(values).float() for name, values in out.items() if values}
-
-
-def evaluate_checkpoint(args, models, llm, prompts, reference_gold, tokenizers, stop_id, device):
-    tokenizer = tokenizers[0]
-    pad = tokenizer.pad_token_id
-    responses = sample(args, models["policy"], llm, prompts, tokenizer, stop_id, args.temperature, args.seed, device)
-    kl_samples = sample(args, models["policy"], llm, prompts, tokenizer, stop_id, args.kl_temperature,
-                        args.seed + 1, device)
-    evaluated = score(args, {"gold": models["gold"], "sft": models["sft"]}, prompts, responses, tokenizers, device)
-    sampled = score(args, models, prompts, kl_samples, tokenizers, device)
-    gold = evaluated["gold"]
-    perplexity = torch.exp(evaluated["sft_nll"] / evaluated["length"].clamp(min=1))
-    metrics = {
-        "win_rate": (gold > reference_gold).float().mean().item(),
-        "gold_score": gold.mean().item(),
-        "gold_margin": (gold - reference_gold).mean().item(),
-        "kl": (sampled["policy_logprob"] - sampled["sft_logprob"]).mean().item(),
-        "perplexity": perplexity.mean().item(),
-        "response_length": evaluated["length"].mean().item(),
-    }
-    samples = [[tokenizer.decode(prompts[i]), tokenizer.decode(responses[i][responses[i] != pad]), round(gold[i].item(), 3)]
-               for i in range(min(4, len(prompts)))]
-    return metrics, samples
-
-
-def update_of(checkpoint):
-    """The training update a checkpoint was saved at (None for a model that is not a checkpoint)."""
-    state = os.path.join(checkpoint, "trainer_state.json")
-    if not os.path.isfile(state):
-        return None
-    with open(state) as f:
-        return json.load(f)["update"]
-
-
 if __name__ == "__main__":
     args = tyro.cli(Args)
     validate(args)
@@ -502,7 +511,6 @@ if __name__ == "__main__":
         for checkpoint in checkpoints:
             policy = AutoModelForCausalLM.from_pretrained(checkpoint, **load).to(device).eval()
             policy.config.pad_token_id = pad
-            policy.generation_config.pad_token_id = pad
             disable_dropout(policy)
             if args.backend == "vllm":
                 if llm is None:

@@ -129,22 +129,8 @@ class Args:
     """(set at run time) responses per generation batch on each device"""
     batch_size: int = 0
     """(set at run time) responses per generation batch on all devices"""
-    mini_batch_size: int = 0
-    """(set at run time) responses per optimizer step on all devices"""
     num_updates: int = 0
     """(set at run time) number of generation batches"""
-
-
-def fail(argument, message):
-    """Bad input: one line on stderr naming the argument, exit code 2."""
-    print(f"error: --{argument.replace('_', '-')}: {message}", file=sys.stderr)
-    sys.exit(2)
-
-
-def check_model_path(argument, path):
-    looks_like_hub_id = path.count("/") == 1 and not path.startswith((".", "/", "~"))
-    if not os.path.isdir(path) and not looks_like_hub_id:
-        fail(argument, f"no such directory: {path}")
 
 
 def validate(args):
@@ -173,7 +159,6 @@ def validate(args):
             fail(name, "must be 0 or more")
     args.local_batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps * args.num_mini_batches
     args.batch_size = args.local_batch_size * args.world_size
-    args.mini_batch_size = args.batch_size // args.num_mini_batches
     args.num_updates = args.total_episodes // args.batch_size
     if args.num_updates < 1:
         fail("total_episodes", f"must be at least one batch of {args.batch_size} responses")
@@ -190,6 +175,51 @@ def validate(args):
     if positions is not None and args.max_prompt_length + args.response_length > positions:
         fail("response_length", f"max_prompt_length + response_length = {args.max_prompt_length + args.response_length}"
                                 f" exceeds the model's {positions} positions")
+
+
+# ===========================================================================================================
+# The algorithm: the only functions that differ between the algorithm scripts. To try a new loss,
+# change these and steps 3-4 of the loop in the main block.
+# ===========================================================================================================
+
+def select_pairs(scores, k):
+    """Indices of the chosen (highest score) and rejected (lowest score) response of each prompt.
+
+    `scores` holds k blocks of the same prompts: index j * num_prompts + i is sample j of prompt i.
+    Equal scores go to the first of those samples (argmax and argmin return the first index), so a
+    prompt whose k scores are all equal is paired with itself: its margin is exactly zero and it
+    adds no gradient."""
+    scores = scores.view(k, -1)
+    num_prompts = scores.shape[1]
+    prompts = torch.arange(num_prompts, device=scores.device)
+    return scores.argmax(0) * num_prompts + prompts, scores.argmin(0) * num_prompts + prompts
+
+
+def dpo_loss(chosen_logratios, rejected_logratios, beta, loss_type):
+    """Mean DPO or IPO loss over pairs; the log-ratios are sequence sums of log pi - log ref."""
+    margin = chosen_logratios - rejected_logratios
+    if loss_type == "sigmoid":
+        losses = -F.logsigmoid(beta * margin)
+    else:
+        losses = (margin - 1 / (2 * beta)) ** 2
+    return losses.mean()
+
+
+# ===========================================================================================================
+# Plumbing, identical in every script that has it (tests/test_shared_helpers.py keeps the copies equal):
+# data, generation, scoring, evaluation, checkpoints, distributed and run set-up. Change one, change all.
+# ===========================================================================================================
+
+def fail(argument, message):
+    """Bad input: one line on stderr naming the argument, exit code 2."""
+    print(f"error: --{argument.replace('_', '-')}: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def check_model_path(argument, path):
+    looks_like_hub_id = path.count("/") == 1 and not path.startswith((".", "/", "~"))
+    if not os.path.isdir(path) and not looks_like_hub_id:
+        fail(argument, f"no such directory: {path}")
 
 
 def load_prompts(args, tokenizer):
@@ -321,29 +351,6 @@ def apply_missing_eos_penalty(scores, responses, stop_token_id, penalty, mode):
     return scores + penalty * missing.float()
 
 
-def select_pairs(scores, k):
-    """Indices of the chosen (highest score) and rejected (lowest score) response of each prompt.
-
-    `scores` holds k blocks of the same prompts: index j * num_prompts + i is sample j of prompt i.
-    Equal scores go to the first of those samples (argmax and argmin return the first index), so a
-    prompt whose k scores are all equal is paired with itself: its margin is exactly zero and it
-    adds no gradient."""
-    scores = scores.view(k, -1)
-    num_prompts = scores.shape[1]
-    prompts = torch.arange(num_prompts, device=scores.device)
-    return scores.argmax(0) * num_prompts + prompts, scores.argmin(0) * num_prompts + prompts
-
-
-def dpo_loss(chosen_logratios, rejected_logratios, beta, loss_type):
-    """Mean DPO or IPO loss over pairs; the log-ratios are sequence sums of log pi - log ref."""
-    margin = chosen_logratios - rejected_logratios
-    if loss_type == "sigmoid":
-        losses = -F.logsigmoid(beta * margin)
-    else:
-        losses = (margin - 1 / (2 * beta)) ** 2
-    return losses.mean()
-
-
 def masked_mean(values, mask):
     return (values * mask).sum() / mask.sum().clamp(min=1)
 
@@ -442,7 +449,7 @@ def latest_checkpoint(path):
     """`path` if it is a checkpoint, else the checkpoint of `path` with the highest update."""
     if os.path.isfile(os.path.join(path, "trainer_state.json")):
         return path
-    updates = [int(d.split("-")[1]) for d in os.listdir(path) if d.startswith("checkpoint-") and d[11:].isdigit()]
+    updates = [int(d.split("-")[1]) for d in os.listdir(path) if d.startswith("checkpoint-") and d[len("checkpoint-"):].isdigit()]
     if not updates:
         fail("resume", f"no checkpoint in {path}")
     return os.path.join(path, f"checkpoint-{max(updates)}")
@@ -566,7 +573,6 @@ if __name__ == "__main__":
             model.config.pad_token_id = tokenizer.pad_token_id
             if len(tokenizer) > model.get_input_embeddings().num_embeddings:  # room for an added pad token
                 model.resize_token_embeddings(len(tokenizer))
-    policy.generation_config.pad_token_id = tokenizer.pad_token_id
     if args.gradient_checkpointing:
         policy.gradient_checkpointing_enable()
 
@@ -710,7 +716,8 @@ if __name__ == "__main__":
             "time/scoring": t2 - t1,
             "time/training": t3 - t2,
         }, device)
-        metrics.update(lr=policy.get_lr()[0], episode=episode, eps=(episode - start_episode) / (time.time() - start_time))
+        metrics.update({"lr": policy.get_lr()[0], "episode": episode,
+                        "time/episodes_per_second": (episode - start_episode) / (time.time() - start_time)})
         samples = None
         if (args.eval_every and update % args.eval_every == 0) or update == args.num_updates:
             eval_metrics, samples = evaluate(args, policy, reward_model, gold_model, eval_prompts, tokenizer, stop_id, device)
@@ -721,7 +728,7 @@ if __name__ == "__main__":
                     tqdm.write(f"  {query!r} -> {response!r} (score {score})")
         log(update, metrics, samples)
         progress.set_postfix(score=f"{metrics['objective/scores']:.3f}", kl=f"{metrics['objective/kl']:.2f}",
-                             eps=f"{metrics['eps']:.0f}")
+                             eps=f"{metrics['time/episodes_per_second']:.0f}")
         if (args.save_every and update % args.save_every == 0) or update == args.num_updates:
             save_checkpoint(args, run_dir, update, episode, {"policy": policy}, tokenizer)
 

@@ -149,22 +149,8 @@ class Args:
     """(set at run time) responses per generation batch on each device"""
     batch_size: int = 0
     """(set at run time) responses per generation batch on all devices"""
-    mini_batch_size: int = 0
-    """(set at run time) responses per optimizer step on all devices"""
     num_updates: int = 0
     """(set at run time) number of generation batches"""
-
-
-def fail(argument, message):
-    """Bad input: one line on stderr naming the argument, exit code 2."""
-    print(f"error: --{argument.replace('_', '-')}: {message}", file=sys.stderr)
-    sys.exit(2)
-
-
-def check_model_path(argument, path):
-    looks_like_hub_id = path.count("/") == 1 and not path.startswith((".", "/", "~"))
-    if not os.path.isdir(path) and not looks_like_hub_id:
-        fail(argument, f"no such directory: {path}")
 
 
 def validate(args):
@@ -202,7 +188,6 @@ def validate(args):
             fail(name, "must be 0 or more")
     args.local_batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps * args.num_mini_batches
     args.batch_size = args.local_batch_size * args.world_size
-    args.mini_batch_size = args.batch_size // args.num_mini_batches
     args.num_updates = args.total_episodes // args.batch_size
     if args.num_updates < 1:
         fail("total_episodes", f"must be at least one batch of {args.batch_size} responses")
@@ -219,6 +204,51 @@ def validate(args):
     if positions is not None and args.max_prompt_length + args.response_length > positions:
         fail("response_length", f"max_prompt_length + response_length = {args.max_prompt_length + args.response_length}"
                                 f" exceeds the model's {positions} positions")
+
+
+# ===========================================================================================================
+# The algorithm: the only functions that differ between the algorithm scripts. To try a new loss,
+# change these and steps 3-4 of the loop in the main block.
+# ===========================================================================================================
+
+def select_pairs(scores, k):
+    """Indices of the chosen (highest score) and rejected (lowest score) response of each prompt.
+
+    `scores` holds k blocks of the same prompts: index j * num_prompts + i is sample j of prompt i.
+    Equal scores go to the first of those samples (argmax and argmin return the first index), so a
+    prompt whose k scores are all equal is paired with itself: its margin is exactly zero and it
+    adds no gradient."""
+    scores = scores.view(k, -1)
+    num_prompts = scores.shape[1]
+    prompts = torch.arange(num_prompts, device=scores.device)
+    return scores.argmax(0) * num_prompts + prompts, scores.argmin(0) * num_prompts + prompts
+
+
+def dpo_loss(chosen_logratios, rejected_logratios, beta, loss_type):
+    """Mean DPO or IPO loss over pairs; the log-ratios are sequence sums of log pi - log ref."""
+    margin = chosen_logratios - rejected_logratios
+    if loss_type == "sigmoid":
+        losses = -F.logsigmoid(beta * margin)
+    else:
+        losses = (margin - 1 / (2 * beta)) ** 2
+    return losses.mean()
+
+
+# ===========================================================================================================
+# Plumbing, identical in every script that has it (tests/test_shared_helpers.py keeps the copies equal):
+# data, generation, scoring, evaluation, checkpoints, distributed and run set-up. Change one, change all.
+# ===========================================================================================================
+
+def fail(argument, message):
+    """Bad input: one line on stderr naming the argument, exit code 2."""
+    print(f"error: --{argument.replace('_', '-')}: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def check_model_path(argument, path):
+    looks_like_hub_id = path.count("/") == 1 and not path.startswith((".", "/", "~"))
+    if not os.path.isdir(path) and not looks_like_hub_id:
+        fail(argument, f"no such directory: {path}")
 
 
 def load_prompts(args, tokenizer):
@@ -308,6 +338,227 @@ def generate(model, queries, pad_token_id, stop_token_id, response_length, tempe
         cache_position = cache_position[-1:] + 1
     return torch.stack(tokens, 1)
 
+
+def truncate_response(responses, stop_token_id, pad_token_id):
+    """Replace everything after the first stop token (which stays), and from the first pad token, by padding."""
+    is_stop = responses == stop_token_id
+    after_stop = (is_stop.cumsum(1) - is_stop.long()) > 0
+    from_pad = (responses == pad_token_id).cumsum(1) > 0
+    return responses.masked_fill(after_stop | from_pad, pad_token_id)
+
+
+def forward(model, query_responses, pad_token_id):
+    """Run a model on left-padded queries followed by right-padded responses."""
+    attention_mask = query_responses != pad_token_id
+    position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
+    return model(input_ids=query_responses, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
+
+
+def response_logprobs(logits, responses, context_length, temperature):
+    """Log-probabilities of the response tokens under logits divided by the sampling temperature."""
+    logits = logits[:, context_length - 1: -1].float() / temperature
+    return torch.log_softmax(logits, dim=-1).gather(-1, responses.unsqueeze(-1)).squeeze(-1)
+
+
+def entropy_from_logits(logits):
+    logits = logits.float()
+    return torch.logsumexp(logits, -1) - (torch.softmax(logits, -1) * logits).sum(-1)
+
+
+@torch.no_grad()
+def reward_scores(model, query_responses, pad_token_id):
+    """One score per sequence, read at its last non-pad token."""
+    return forward(model, query_responses, pad_token_id).logits[:, 0].float()
+
+
+def apply_missing_eos_penalty(scores, responses, stop_token_id, penalty, mode):
+    """The score of a response without a stop token: `add` the penalty to it (TRL), or `replace` it by the
+    penalty (the paper's code)."""
+    missing = ~(responses == stop_token_id).any(1)
+    if mode == "replace":
+        return torch.where(missing, torch.full_like(scores, penalty), scores)
+    return scores + penalty * missing.float()
+
+
+def masked_mean(values, mask):
+    return (values * mask).sum() / mask.sum().clamp(min=1)
+
+
+def mean_over_ranks(stats, device):
+    """Average a dict of floats over all processes (on the device: NCCL reduces only CUDA tensors)."""
+    values = torch.tensor(list(stats.values()), dtype=torch.float64, device=device)
+    dist.all_reduce(values)
+    return dict(zip(stats, (values / dist.get_world_size()).tolist()))
+
+
+@contextlib.contextmanager
+def unwrapped_for_generation(engine):
+    """The policy module for generate(); under ZeRO-3 its parameters are gathered once for the
+    whole call (DeepSpeed's helper), not layer by layer at every decoding step."""
+    if engine.zero_optimization_stage() == 3:
+        with unwrap_model_for_generation(engine):
+            yield engine.module
+    else:
+        yield engine.module
+
+
+@torch.no_grad()
+def evaluate(args, policy, reward_model, gold_model, eval_prompts, tokenizer, stop_id, device):
+    """Greedy responses to held-out prompts, scored by the reward model (and the gold model)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    prompts = eval_prompts[: args.num_eval_prompts][rank::world]
+    sums = torch.zeros(4, dtype=torch.float64, device=device)  # on the device: NCCL reduces only CUDA tensors
+    samples = []
+    for start in range(0, len(prompts), args.per_device_train_batch_size):
+        queries = left_pad(prompts[start: start + args.per_device_train_batch_size], tokenizer.pad_token_id, device)
+        with unwrapped_for_generation(policy) as model:
+            responses = generate(model, queries, tokenizer.pad_token_id, stop_id, args.response_length)
+        responses = truncate_response(responses, stop_id, tokenizer.pad_token_id)
+        query_responses = torch.cat([queries, responses], 1)
+        scores = reward_scores(reward_model, query_responses, tokenizer.pad_token_id)
+        gold = reward_scores(gold_model, query_responses, tokenizer.pad_token_id) if gold_model else scores * 0
+        sums += torch.stack([scores.sum(), gold.sum(), (responses != tokenizer.pad_token_id).sum(),
+                             torch.tensor(len(scores), device=device)]).double()
+        if not samples:
+            for q, r, s in zip(queries[:4], responses[:4], scores[:4]):
+                samples.append([tokenizer.decode(q, skip_special_tokens=True),
+                                tokenizer.decode(r, skip_special_tokens=True), round(s.item(), 3)])
+    dist.all_reduce(sums)
+    metrics = {"eval/scores": sums[0] / sums[3], "eval/response_length": sums[2] / sums[3]}
+    if gold_model is not None:
+        metrics["eval/gold_scores"] = sums[1] / sums[3]
+    return {k: v.item() for k, v in metrics.items()}, samples
+
+
+class SafeCheckpointEngine(TorchCheckpointEngine):
+    """DeepSpeed's checkpoint engine, but loading with weights_only=True so that a checkpoint cannot run code."""
+
+    def load(self, path, map_location=None):
+        from deepspeed.runtime.fp16.loss_scaler import LossScaler
+        from deepspeed.runtime.zero.config import ZeroStageEnum
+        from deepspeed.utils.tensor_fragment import fragment_address
+
+        with torch.serialization.safe_globals([LossScaler, ZeroStageEnum, fragment_address]):
+            return torch.load(path, map_location=map_location, weights_only=True)
+
+
+def save_checkpoint(args, run_dir, update, episode, engines, tokenizer):
+    """Write <run_dir>/checkpoint-<update>: every trained model as save_pretrained (the policy at the
+    top, any other, such as PPO's value model, in a subdirectory of its name) plus the full
+    training state in training_state/ (DeepSpeed's model, optimizer and scheduler state of each
+    engine, and every rank's RNG state).
+
+    Everything is written to a temporary directory first and renamed at the end, so an
+    interruption never leaves a half-written checkpoint behind."""
+    final = os.path.join(run_dir, f"checkpoint-{update}")
+    tmp = final + ".tmp"
+    if dist.get_rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+    dist.barrier()
+    for name, engine in engines.items():
+        engine.save_checkpoint(os.path.join(tmp, "training_state"), tag=name, save_latest=False)
+        state_dict = gathered_state_dict(engine)
+        if dist.get_rank() == 0:
+            engine.module.save_pretrained(tmp if name == "policy" else os.path.join(tmp, name), state_dict=state_dict)
+    torch.save({"torch": torch.get_rng_state(), "accelerator": get_accelerator().get_rng_state()},
+               os.path.join(tmp, "training_state", f"rng_rank{dist.get_rank()}.pt"))
+    if dist.get_rank() == 0:
+        tokenizer.save_pretrained(tmp)
+        with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
+            json.dump({"update": update, "episode": episode, "args": asdict(args)}, f, indent=1)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+    dist.barrier()
+
+
+def latest_checkpoint(path):
+    """`path` if it is a checkpoint, else the checkpoint of `path` with the highest update."""
+    if os.path.isfile(os.path.join(path, "trainer_state.json")):
+        return path
+    updates = [int(d.split("-")[1]) for d in os.listdir(path) if d.startswith("checkpoint-") and d[len("checkpoint-"):].isdigit()]
+    if not updates:
+        fail("resume", f"no checkpoint in {path}")
+    return os.path.join(path, f"checkpoint-{max(updates)}")
+
+
+def load_checkpoint(checkpoint, engines):
+    """Restore the training state written by save_checkpoint; returns (update, episode)."""
+    for name, engine in engines.items():
+        engine.checkpoint_engine = SafeCheckpointEngine()
+        engine.load_checkpoint(os.path.join(checkpoint, "training_state"), tag=name)
+    rng = torch.load(os.path.join(checkpoint, "training_state", f"rng_rank{dist.get_rank()}.pt"), weights_only=True)
+    torch.set_rng_state(rng["torch"])
+    get_accelerator().set_rng_state(rng["accelerator"])
+    with open(os.path.join(checkpoint, "trainer_state.json")) as f:
+        state = json.load(f)
+    return state["update"], state["episode"]
+
+
+def process_group_backend(cuda):
+    """torch.distributed's backend for each device type. NCCL reduces only CUDA tensors ("No backend type
+    associated with device type cpu"), so on GPUs gloo serves the collectives on CPU objects beside it."""
+    return "cpu:gloo,cuda:nccl" if cuda else "gloo"
+
+
+def init_distributed():
+    """Join the process group; a plain `python` launch is a group of one."""
+    if "RANK" not in os.environ:
+        with socket.socket() as s:  # a free port, so several single-process runs can share a machine
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    deepspeed.init_distributed(dist_backend=process_group_backend(torch.cuda.is_available()))
+
+
+def gathered_state_dict(engine):
+    """The engine's weights for save_pretrained on rank 0 (None elsewhere). Under ZeRO-3 every rank takes
+    part in gathering the parameters one module at a time, so no device ever holds the whole model; the
+    gathered weights go to rank 0's CPU memory."""
+    module, rank = engine.module, dist.get_rank()
+    if engine.zero_optimization_stage() != 3:
+        return module.state_dict() if rank == 0 else None
+    state, copies = {}, {}
+    for prefix, submodule in module.named_modules():
+        own = list(submodule.named_parameters(prefix=prefix, recurse=False))
+        with deepspeed.zero.GatheredParameters([p for _, p in own]):
+            if rank == 0:
+                for name, param in own:  # tied weights (one parameter under two names) are copied once
+                    state[name] = copies.setdefault(id(param), param.detach().cpu().clone())
+    if rank != 0:
+        return None
+    persistent = module.state_dict().keys()  # keys only: under ZeRO-3 its parameters are empty shards
+    state.update({name: buffer.cpu() for name, buffer in module.named_buffers() if name in persistent})
+    return state
+
+
+def ds_config(args, train):
+    with open(args.deepspeed_config) as f:
+        config = json.load(f)
+    config.update(train_micro_batch_size_per_gpu=args.per_device_train_batch_size,
+                  gradient_accumulation_steps=args.gradient_accumulation_steps if train else 1,
+                  bf16={"enabled": args.bf16})
+    if not train:  # frozen models: partitioned under ZeRO-3 (offloaded if its parameters are), else replicated
+        zero = config["zero_optimization"]
+        config = {k: v for k, v in config.items() if k not in ("zero_optimization", "gradient_clipping")}
+        config["zero_optimization"] = {"stage": 0}
+        if zero["stage"] == 3:
+            config["zero_optimization"] = {k: v for k, v in zero.items() if k != "offload_optimizer"}
+    return config
+
+
+def disable_dropout(model):
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+
+
+# ===========================================================================================================
+# Asynchronous generation, identical in every *_vllm.py: vLLM on rank 0 fed by a background thread, the
+# schedule of policy versions, and the hand-off of the learner's weights.
+# ===========================================================================================================
 
 def vllm_gpu_placement(env, num_node_gpus, vllm_gpu=None):
     """vLLM's GPU: (the CUDA_VISIBLE_DEVICES entry for its engine, the CUDA index on rank 0 of the training GPU
@@ -424,6 +675,23 @@ def right_pad(sequences, pad_token_id, device):
     return out.to(device)
 
 
+def save_for_vllm(policy, path):
+    """Write the policy's weights where vLLM can load them; every rank takes part, rank 0 writes."""
+    state_dict = gathered_state_dict(policy)
+    if dist.get_rank() == 0:
+        policy.module.save_pretrained(path, state_dict=state_dict)
+
+
+def weights_root(run_dir, needed_bytes, shm="/dev/shm"):
+    """Where the weights handed to vLLM go: memory (/dev/shm) when it has room for `needed_bytes`, else the
+    run directory, said in one line. A container's /dev/shm is often 64 MB."""
+    if os.path.isdir(shm) and shutil.disk_usage(shm).free >= needed_bytes:
+        return shm
+    print(f"warning: {shm} has no room for {needed_bytes / 2**20:.0f} MiB of weights handed to vLLM; "
+          f"they go through {run_dir} (disk)", file=sys.stderr, flush=True)
+    return run_dir
+
+
 class Generator:
     """vLLM on rank 0, generating in a background thread while the learner trains.
 
@@ -497,262 +765,6 @@ class Generator:
             self.error = error
 
 
-def save_for_vllm(policy, path):
-    """Write the policy's weights where vLLM can load them; every rank takes part, rank 0 writes."""
-    state_dict = gathered_state_dict(policy)
-    if dist.get_rank() == 0:
-        policy.module.save_pretrained(path, state_dict=state_dict)
-
-
-def weights_root(run_dir, needed_bytes, shm="/dev/shm"):
-    """Where the weights handed to vLLM go: memory (/dev/shm) when it has room for `needed_bytes`, else the
-    run directory, said in one line. A container's /dev/shm is often 64 MB."""
-    if os.path.isdir(shm) and shutil.disk_usage(shm).free >= needed_bytes:
-        return shm
-    print(f"warning: {shm} has no room for {needed_bytes / 2**20:.0f} MiB of weights handed to vLLM; "
-          f"they go through {run_dir} (disk)", file=sys.stderr, flush=True)
-    return run_dir
-
-
-def truncate_response(responses, stop_token_id, pad_token_id):
-    """Replace everything after the first stop token (which stays), and from the first pad token, by padding."""
-    is_stop = responses == stop_token_id
-    after_stop = (is_stop.cumsum(1) - is_stop.long()) > 0
-    from_pad = (responses == pad_token_id).cumsum(1) > 0
-    return responses.masked_fill(after_stop | from_pad, pad_token_id)
-
-
-def forward(model, query_responses, pad_token_id):
-    """Run a model on left-padded queries followed by right-padded responses."""
-    attention_mask = query_responses != pad_token_id
-    position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
-    return model(input_ids=query_responses, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
-
-
-def response_logprobs(logits, responses, context_length, temperature):
-    """Log-probabilities of the response tokens under logits divided by the sampling temperature."""
-    logits = logits[:, context_length - 1: -1].float() / temperature
-    return torch.log_softmax(logits, dim=-1).gather(-1, responses.unsqueeze(-1)).squeeze(-1)
-
-
-def entropy_from_logits(logits):
-    logits = logits.float()
-    return torch.logsumexp(logits, -1) - (torch.softmax(logits, -1) * logits).sum(-1)
-
-
-@torch.no_grad()
-def reward_scores(model, query_responses, pad_token_id):
-    """One score per sequence, read at its last non-pad token."""
-    return forward(model, query_responses, pad_token_id).logits[:, 0].float()
-
-
-def apply_missing_eos_penalty(scores, responses, stop_token_id, penalty, mode):
-    """The score of a response without a stop token: `add` the penalty to it (TRL), or `replace` it by the
-    penalty (the paper's code)."""
-    missing = ~(responses == stop_token_id).any(1)
-    if mode == "replace":
-        return torch.where(missing, torch.full_like(scores, penalty), scores)
-    return scores + penalty * missing.float()
-
-
-def select_pairs(scores, k):
-    """Indices of the chosen (highest score) and rejected (lowest score) response of each prompt.
-
-    `scores` holds k blocks of the same prompts: index j * num_prompts + i is sample j of prompt i.
-    Equal scores go to the first of those samples (argmax and argmin return the first index), so a
-    prompt whose k scores are all equal is paired with itself: its margin is exactly zero and it
-    adds no gradient."""
-    scores = scores.view(k, -1)
-    num_prompts = scores.shape[1]
-    prompts = torch.arange(num_prompts, device=scores.device)
-    return scores.argmax(0) * num_prompts + prompts, scores.argmin(0) * num_prompts + prompts
-
-
-def dpo_loss(chosen_logratios, rejected_logratios, beta, loss_type):
-    """Mean DPO or IPO loss over pairs; the log-ratios are sequence sums of log pi - log ref."""
-    margin = chosen_logratios - rejected_logratios
-    if loss_type == "sigmoid":
-        losses = -F.logsigmoid(beta * margin)
-    else:
-        losses = (margin - 1 / (2 * beta)) ** 2
-    return losses.mean()
-
-
-def masked_mean(values, mask):
-    return (values * mask).sum() / mask.sum().clamp(min=1)
-
-
-def mean_over_ranks(stats, device):
-    """Average a dict of floats over all processes (on the device: NCCL reduces only CUDA tensors)."""
-    values = torch.tensor(list(stats.values()), dtype=torch.float64, device=device)
-    dist.all_reduce(values)
-    return dict(zip(stats, (values / dist.get_world_size()).tolist()))
-
-
-@contextlib.contextmanager
-def unwrapped_for_generation(engine):
-    """The policy module for generate(); under ZeRO-3 its parameters are gathered once for the
-    whole call (DeepSpeed's helper), not layer by layer at every decoding step."""
-    if engine.zero_optimization_stage() == 3:
-        with unwrap_model_for_generation(engine):
-            yield engine.module
-    else:
-        yield engine.module
-
-
-@torch.no_grad()
-def evaluate(args, policy, reward_model, gold_model, eval_prompts, tokenizer, stop_id, device):
-    """Greedy responses to held-out prompts, scored by the reward model (and the gold model)."""
-    rank, world = dist.get_rank(), dist.get_world_size()
-    prompts = eval_prompts[: args.num_eval_prompts][rank::world]
-    sums = torch.zeros(4, dtype=torch.float64, device=device)  # on the device: NCCL reduces only CUDA tensors
-    samples = []
-    for start in range(0, len(prompts), args.per_device_train_batch_size):
-        queries = left_pad(prompts[start: start + args.per_device_train_batch_size], tokenizer.pad_token_id, device)
-        with unwrapped_for_generation(policy) as model:
-            responses = generate(model, queries, tokenizer.pad_token_id, stop_id, args.response_length)
-        responses = truncate_response(responses, stop_id, tokenizer.pad_token_id)
-        query_responses = torch.cat([queries, responses], 1)
-        scores = reward_scores(reward_model, query_responses, tokenizer.pad_token_id)
-        gold = reward_scores(gold_model, query_responses, tokenizer.pad_token_id) if gold_model else scores * 0
-        sums += torch.stack([scores.sum(), gold.sum(), (responses != tokenizer.pad_token_id).sum(),
-                             torch.tensor(len(scores), device=device)]).double()
-        if not samples:
-            for q, r, s in zip(queries[:4], responses[:4], scores[:4]):
-                samples.append([tokenizer.decode(q, skip_special_tokens=True),
-                                tokenizer.decode(r, skip_special_tokens=True), round(s.item(), 3)])
-    dist.all_reduce(sums)
-    metrics = {"eval/scores": sums[0] / sums[3], "eval/response_length": sums[2] / sums[3]}
-    if gold_model is not None:
-        metrics["eval/gold_scores"] = sums[1] / sums[3]
-    return {k: v.item() for k, v in metrics.items()}, samples
-
-
-class SafeCheckpointEngine(TorchCheckpointEngine):
-    """DeepSpeed's checkpoint engine, but loading with weights_only=True so that a checkpoint cannot run code."""
-
-    def load(self, path, map_location=None):
-        from deepspeed.runtime.fp16.loss_scaler import LossScaler
-        from deepspeed.runtime.zero.config import ZeroStageEnum
-        from deepspeed.utils.tensor_fragment import fragment_address
-
-        with torch.serialization.safe_globals([LossScaler, ZeroStageEnum, fragment_address]):
-            return torch.load(path, map_location=map_location, weights_only=True)
-
-
-def save_checkpoint(args, run_dir, update, episode, engines, tokenizer):
-    """Write <run_dir>/checkpoint-<update>: every trained model as save_pretrained (the policy at the
-    top, any other, such as PPO's value model, in a subdirectory of its name) plus the full
-    training state in training_state/ (DeepSpeed's model, optimizer and scheduler state of each
-    engine, and every rank's RNG state).
-
-    Everything is written to a temporary directory first and renamed at the end, so an
-    interruption never leaves a half-written checkpoint behind."""
-    final = os.path.join(run_dir, f"checkpoint-{update}")
-    tmp = final + ".tmp"
-    if dist.get_rank() == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(tmp)
-    dist.barrier()
-    for name, engine in engines.items():
-        engine.save_checkpoint(os.path.join(tmp, "training_state"), tag=name, save_latest=False)
-        state_dict = gathered_state_dict(engine)
-        if dist.get_rank() == 0:
-            engine.module.save_pretrained(tmp if name == "policy" else os.path.join(tmp, name), state_dict=state_dict)
-    torch.save({"torch": torch.get_rng_state(), "accelerator": get_accelerator().get_rng_state()},
-               os.path.join(tmp, "training_state", f"rng_rank{dist.get_rank()}.pt"))
-    if dist.get_rank() == 0:
-        tokenizer.save_pretrained(tmp)
-        with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
-            json.dump({"update": update, "episode": episode, "args": asdict(args)}, f, indent=1)
-    dist.barrier()
-    if dist.get_rank() == 0:
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
-    dist.barrier()
-
-
-def latest_checkpoint(path):
-    """`path` if it is a checkpoint, else the checkpoint of `path` with the highest update."""
-    if os.path.isfile(os.path.join(path, "trainer_state.json")):
-        return path
-    updates = [int(d.split("-")[1]) for d in os.listdir(path) if d.startswith("checkpoint-") and d[11:].isdigit()]
-    if not updates:
-        fail("resume", f"no checkpoint in {path}")
-    return os.path.join(path, f"checkpoint-{max(updates)}")
-
-
-def load_checkpoint(checkpoint, engines):
-    """Restore the training state written by save_checkpoint; returns (update, episode)."""
-    for name, engine in engines.items():
-        engine.checkpoint_engine = SafeCheckpointEngine()
-        engine.load_checkpoint(os.path.join(checkpoint, "training_state"), tag=name)
-    rng = torch.load(os.path.join(checkpoint, "training_state", f"rng_rank{dist.get_rank()}.pt"), weights_only=True)
-    torch.set_rng_state(rng["torch"])
-    get_accelerator().set_rng_state(rng["accelerator"])
-    with open(os.path.join(checkpoint, "trainer_state.json")) as f:
-        state = json.load(f)
-    return state["update"], state["episode"]
-
-
-def process_group_backend(cuda):
-    """torch.distributed's backend for each device type. NCCL reduces only CUDA tensors ("No backend type
-    associated with device type cpu"), so on GPUs gloo serves the collectives on CPU objects beside it."""
-    return "cpu:gloo,cuda:nccl" if cuda else "gloo"
-
-
-def init_distributed():
-    """Join the process group; a plain `python` launch is a group of one."""
-    if "RANK" not in os.environ:
-        with socket.socket() as s:  # a free port, so several single-process runs can share a machine
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    deepspeed.init_distributed(dist_backend=process_group_backend(torch.cuda.is_available()))
-
-
-def gathered_state_dict(engine):
-    """The engine's weights for save_pretrained on rank 0 (None elsewhere). Under ZeRO-3 every rank takes
-    part in gathering the parameters one module at a time, so no device ever holds the whole model; the
-    gathered weights go to rank 0's CPU memory."""
-    module, rank = engine.module, dist.get_rank()
-    if engine.zero_optimization_stage() != 3:
-        return module.state_dict() if rank == 0 else None
-    state, copies = {}, {}
-    for prefix, submodule in module.named_modules():
-        own = list(submodule.named_parameters(prefix=prefix, recurse=False))
-        with deepspeed.zero.GatheredParameters([p for _, p in own]):
-            if rank == 0:
-                for name, param in own:  # tied weights (one parameter under two names) are copied once
-                    state[name] = copies.setdefault(id(param), param.detach().cpu().clone())
-    if rank != 0:
-        return None
-    persistent = module.state_dict().keys()  # keys only: under ZeRO-3 its parameters are empty shards
-    state.update({name: buffer.cpu() for name, buffer in module.named_buffers() if name in persistent})
-    return state
-
-
-def ds_config(args, train):
-    with open(args.deepspeed_config) as f:
-        config = json.load(f)
-    config.update(train_micro_batch_size_per_gpu=args.per_device_train_batch_size,
-                  gradient_accumulation_steps=args.gradient_accumulation_steps if train else 1,
-                  bf16={"enabled": args.bf16})
-    if not train:  # frozen models: partitioned under ZeRO-3 (offloaded if its parameters are), else replicated
-        zero = config["zero_optimization"]
-        config = {k: v for k, v in config.items() if k not in ("zero_optimization", "gradient_clipping")}
-        config["zero_optimization"] = {"stage": 0}
-        if zero["stage"] == 3:
-            config["zero_optimization"] = {k: v for k, v in zero.items() if k != "offload_optimizer"}
-    return config
-
-
-def disable_dropout(model):
-    for module in model.modules():
-        if isinstance(module, torch.nn.Dropout):
-            module.p = 0.0
-
-
 if __name__ == "__main__":
     args = tyro.cli(Args)
     args.world_size = int(os.environ.get("WORLD_SIZE", "1"))
@@ -802,7 +814,6 @@ if __name__ == "__main__":
             model.config.pad_token_id = tokenizer.pad_token_id
             if len(tokenizer) > model.get_input_embeddings().num_embeddings:  # room for an added pad token
                 model.resize_token_embeddings(len(tokenizer))
-    policy.generation_config.pad_token_id = tokenizer.pad_token_id
     if args.gradient_checkpointing:
         policy.gradient_checkpointing_enable()
 
@@ -975,7 +986,8 @@ if __name__ == "__main__":
             "time/weight_sync": t4 - t3,
             "time/weight_reload": reload_time,
         }, device)
-        metrics.update(lr=policy.get_lr()[0], episode=episode, eps=(episode - start_episode) / (time.time() - start_time))
+        metrics.update({"lr": policy.get_lr()[0], "episode": episode,
+                        "time/episodes_per_second": (episode - start_episode) / (time.time() - start_time)})
         samples = None
         if (args.eval_every and update % args.eval_every == 0) or update == args.num_updates:
             eval_metrics, samples = evaluate(args, policy, reward_model, gold_model, eval_prompts, tokenizer, stop_id, device)
@@ -986,7 +998,7 @@ if __name__ == "__main__":
                     tqdm.write(f"  {query!r} -> {response!r} (score {score})")
         log(update, metrics, samples)
         progress.set_postfix(score=f"{metrics['objective/scores']:.3f}", kl=f"{metrics['objective/kl']:.2f}",
-                             eps=f"{metrics['eps']:.0f}")
+                             eps=f"{metrics['time/episodes_per_second']:.0f}")
         if (args.save_every and update % args.save_every == 0) or update == args.num_updates:
             save_checkpoint(args, run_dir, update, episode, {"policy": policy}, tokenizer)
 

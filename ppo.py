@@ -34,7 +34,6 @@ if not torch.cuda.is_available():
 
 import deepspeed
 import torch.distributed as dist
-import torch.nn.functional as F
 import tyro
 from datasets import load_dataset
 from deepspeed.accelerator import get_accelerator
@@ -136,22 +135,8 @@ class Args:
     """(set at run time) responses per generation batch on each device"""
     batch_size: int = 0
     """(set at run time) responses per generation batch on all devices"""
-    mini_batch_size: int = 0
-    """(set at run time) responses per optimizer step on all devices"""
     num_updates: int = 0
     """(set at run time) number of generation batches"""
-
-
-def fail(argument, message):
-    """Bad input: one line on stderr naming the argument, exit code 2."""
-    print(f"error: --{argument.replace('_', '-')}: {message}", file=sys.stderr)
-    sys.exit(2)
-
-
-def check_model_path(argument, path):
-    looks_like_hub_id = path.count("/") == 1 and not path.startswith((".", "/", "~"))
-    if not os.path.isdir(path) and not looks_like_hub_id:
-        fail(argument, f"no such directory: {path}")
 
 
 def validate(args):
@@ -177,7 +162,6 @@ def validate(args):
             fail(name, "must be 0 or more")
     args.local_batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps * args.num_mini_batches
     args.batch_size = args.local_batch_size * args.world_size
-    args.mini_batch_size = args.batch_size // args.num_mini_batches
     args.num_updates = args.total_episodes // args.batch_size
     if args.num_updates < 1:
         fail("total_episodes", f"must be at least one batch of {args.batch_size} responses")
@@ -194,6 +178,96 @@ def validate(args):
     if positions is not None and args.max_prompt_length + args.response_length > positions:
         fail("response_length", f"max_prompt_length + response_length = {args.max_prompt_length + args.response_length}"
                                 f" exceeds the model's {positions} positions")
+
+
+# ===========================================================================================================
+# The algorithm: the only functions that differ between the algorithm scripts. To try a new loss,
+# change these and steps 3-4 of the loop in the main block.
+# ===========================================================================================================
+
+def value_forward(value_model, query_responses, pad_token_id, context_length):
+    """Per-token values: the value head applied to the hidden state before each response token.
+
+    The value model is a sequence classifier (its head is `score`); run without the pooling at
+    the last token, its head gives one value per position."""
+    module = value_model.module if isinstance(value_model, deepspeed.DeepSpeedEngine) else value_model
+    hidden = forward(getattr(module, module.base_model_prefix), query_responses, pad_token_id).last_hidden_state
+    return module.score(hidden[:, context_length - 1: -1]).squeeze(-1).float()
+
+
+def token_rewards(scores, logprobs, ref_logprobs, padding_mask, kl_coef):
+    """-kl_coef * (logp - logp_ref) at every response token; the score is added at the last one."""
+    rewards = (-kl_coef * (logprobs - ref_logprobs)).masked_fill(padding_mask, 0.0)
+    last = ((~padding_mask).sum(1) - 1).clamp(min=0)
+    rewards[torch.arange(len(rewards), device=rewards.device), last] += scores
+    return rewards
+
+
+def gae_advantages(rewards, values, padding_mask, gamma, lam):
+    """Generalised advantage estimation over the response tokens; returns (advantages, returns).
+
+    Rewards and values after the last token are zeroed, so an episode ends at its last token."""
+    rewards = rewards.masked_fill(padding_mask, 0.0)
+    values = values.masked_fill(padding_mask, 0.0)
+    advantages = torch.zeros_like(rewards)
+    running = torch.zeros_like(rewards[:, 0])
+    for t in reversed(range(rewards.shape[1])):
+        next_values = values[:, t + 1] if t + 1 < rewards.shape[1] else 0.0
+        delta = rewards[:, t] + gamma * next_values - values[:, t]
+        running = delta + gamma * lam * running
+        advantages[:, t] = running
+    return advantages, advantages + values
+
+
+def masked_whiten(values, mask):
+    """Shift to mean 0 and scale to variance 1 over the entries where mask is true."""
+    return (values - masked_mean(values, mask)) * torch.rsqrt(masked_var(values, mask) + 1e-8)
+
+
+def ppo_policy_loss(new_logprobs, old_logprobs, advantages, mask, cliprange):
+    """Clipped surrogate per token, averaged over response tokens; returns (loss, log_ratio, ratio, clipped)."""
+    log_ratio = new_logprobs - old_logprobs
+    ratio = torch.exp(log_ratio)
+    pg_losses = -advantages * ratio
+    pg_losses_clipped = -advantages * torch.clamp(ratio, 1.0 - cliprange, 1.0 + cliprange)
+    return masked_mean(torch.max(pg_losses, pg_losses_clipped), mask), log_ratio, ratio, pg_losses_clipped > pg_losses
+
+
+def ppo_value_loss(new_values, old_values, returns, mask, cliprange_value):
+    """Half the clipped squared error to the returns, averaged over response tokens; returns (loss, clipped)."""
+    clipped_values = old_values + torch.clamp(new_values - old_values, -cliprange_value, cliprange_value)
+    losses = (new_values - returns) ** 2
+    losses_clipped = (clipped_values - returns) ** 2
+    return 0.5 * masked_mean(torch.max(losses, losses_clipped), mask), losses_clipped > losses
+
+
+def masked_var(values, mask):
+    """Unbiased variance of the entries where mask is true."""
+    count = mask.sum()
+    return masked_mean((values - masked_mean(values, mask)) ** 2, mask) * count / (count - 1).clamp(min=1)
+
+
+def explained_variance(values, returns, mask):
+    """1 - Var(returns - values) / Var(returns) over response tokens: 1 when the values predict the
+    returns exactly, 0 when they predict no better than a constant."""
+    return 1 - masked_var(returns - values, mask) / masked_var(returns, mask).clamp(min=1e-8)
+
+
+# ===========================================================================================================
+# Plumbing, identical in every script that has it (tests/test_shared_helpers.py keeps the copies equal):
+# data, generation, scoring, evaluation, checkpoints, distributed and run set-up. Change one, change all.
+# ===========================================================================================================
+
+def fail(argument, message):
+    """Bad input: one line on stderr naming the argument, exit code 2."""
+    print(f"error: --{argument.replace('_', '-')}: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def check_model_path(argument, path):
+    looks_like_hub_id = path.count("/") == 1 and not path.startswith((".", "/", "~"))
+    if not os.path.isdir(path) and not looks_like_hub_id:
+        fail(argument, f"no such directory: {path}")
 
 
 def load_prompts(args, tokenizer):
@@ -325,76 +399,8 @@ def apply_missing_eos_penalty(scores, responses, stop_token_id, penalty, mode):
     return scores + penalty * missing.float()
 
 
-def value_forward(value_model, query_responses, pad_token_id, context_length):
-    """Per-token values: the value head applied to the hidden state before each response token.
-
-    The value model is a sequence classifier (its head is `score`); run without the pooling at
-    the last token, its head gives one value per position."""
-    module = value_model.module if isinstance(value_model, deepspeed.DeepSpeedEngine) else value_model
-    hidden = forward(getattr(module, module.base_model_prefix), query_responses, pad_token_id).last_hidden_state
-    return module.score(hidden[:, context_length - 1: -1]).squeeze(-1).float()
-
-
-def token_rewards(scores, logprobs, ref_logprobs, padding_mask, kl_coef):
-    """-kl_coef * (logp - logp_ref) at every response token; the score is added at the last one."""
-    rewards = (-kl_coef * (logprobs - ref_logprobs)).masked_fill(padding_mask, 0.0)
-    last = ((~padding_mask).sum(1) - 1).clamp(min=0)
-    rewards[torch.arange(len(rewards), device=rewards.device), last] += scores
-    return rewards
-
-
-def gae_advantages(rewards, values, padding_mask, gamma, lam):
-    """Generalised advantage estimation over the response tokens; returns (advantages, returns).
-
-    Rewards and values after the last token are zeroed, so an episode ends at its last token."""
-    rewards = rewards.masked_fill(padding_mask, 0.0)
-    values = values.masked_fill(padding_mask, 0.0)
-    advantages = torch.zeros_like(rewards)
-    running = torch.zeros_like(rewards[:, 0])
-    for t in reversed(range(rewards.shape[1])):
-        next_values = values[:, t + 1] if t + 1 < rewards.shape[1] else 0.0
-        delta = rewards[:, t] + gamma * next_values - values[:, t]
-        running = delta + gamma * lam * running
-        advantages[:, t] = running
-    return advantages, advantages + values
-
-
-def masked_whiten(values, mask):
-    """Shift to mean 0 and scale to variance 1 over the entries where mask is true."""
-    return (values - masked_mean(values, mask)) * torch.rsqrt(masked_var(values, mask) + 1e-8)
-
-
-def ppo_policy_loss(new_logprobs, old_logprobs, advantages, mask, cliprange):
-    """Clipped surrogate per token, averaged over response tokens; returns (loss, log_ratio, ratio, clipped)."""
-    log_ratio = new_logprobs - old_logprobs
-    ratio = torch.exp(log_ratio)
-    pg_losses = -advantages * ratio
-    pg_losses_clipped = -advantages * torch.clamp(ratio, 1.0 - cliprange, 1.0 + cliprange)
-    return masked_mean(torch.max(pg_losses, pg_losses_clipped), mask), log_ratio, ratio, pg_losses_clipped > pg_losses
-
-
-def ppo_value_loss(new_values, old_values, returns, mask, cliprange_value):
-    """Half the clipped squared error to the returns, averaged over response tokens; returns (loss, clipped)."""
-    clipped_values = old_values + torch.clamp(new_values - old_values, -cliprange_value, cliprange_value)
-    losses = (new_values - returns) ** 2
-    losses_clipped = (clipped_values - returns) ** 2
-    return 0.5 * masked_mean(torch.max(losses, losses_clipped), mask), losses_clipped > losses
-
-
 def masked_mean(values, mask):
     return (values * mask).sum() / mask.sum().clamp(min=1)
-
-
-def masked_var(values, mask):
-    """Unbiased variance of the entries where mask is true."""
-    count = mask.sum()
-    return masked_mean((values - masked_mean(values, mask)) ** 2, mask) * count / (count - 1).clamp(min=1)
-
-
-def explained_variance(values, returns, mask):
-    """1 - Var(returns - values) / Var(returns) over response tokens: 1 when the values predict the
-    returns exactly, 0 when they predict no better than a constant."""
-    return 1 - masked_var(returns - values, mask) / masked_var(returns, mask).clamp(min=1e-8)
 
 
 def mean_over_ranks(stats, device):
@@ -491,7 +497,7 @@ def latest_checkpoint(path):
     """`path` if it is a checkpoint, else the checkpoint of `path` with the highest update."""
     if os.path.isfile(os.path.join(path, "trainer_state.json")):
         return path
-    updates = [int(d.split("-")[1]) for d in os.listdir(path) if d.startswith("checkpoint-") and d[11:].isdigit()]
+    updates = [int(d.split("-")[1]) for d in os.listdir(path) if d.startswith("checkpoint-") and d[len("checkpoint-"):].isdigit()]
     if not updates:
         fail("resume", f"no checkpoint in {path}")
     return os.path.join(path, f"checkpoint-{max(updates)}")
@@ -616,7 +622,6 @@ if __name__ == "__main__":
             model.config.pad_token_id = tokenizer.pad_token_id
             if len(tokenizer) > model.get_input_embeddings().num_embeddings:  # room for an added pad token
                 model.resize_token_embeddings(len(tokenizer))
-    policy.generation_config.pad_token_id = tokenizer.pad_token_id
     if args.gradient_checkpointing:
         policy.gradient_checkpointing_enable()
         value_model.gradient_checkpointing_enable()
@@ -676,7 +681,7 @@ if __name__ == "__main__":
         log(0, {**eval_metrics, "episode": 0}, samples)
     start_time, start_episode = time.time(), episode
     for update in range(start_update + 1, args.num_updates + 1):
-        # 1. Generate k responses per prompt with the current policy.
+        # 1. Generate one response per prompt with the current policy.
         t0 = time.time()
         indices = prompt_batch(len(train_prompts), prompts_per_rank, update - 1, args.seed, rank, args.world_size)
         queries = left_pad([train_prompts[i] for i in indices], pad, device)
@@ -775,7 +780,8 @@ if __name__ == "__main__":
             "time/scoring": t2 - t1,
             "time/training": t3 - t2,
         }, device)
-        metrics.update(lr=policy.get_lr()[0], episode=episode, eps=(episode - start_episode) / (time.time() - start_time))
+        metrics.update({"lr": policy.get_lr()[0], "episode": episode,
+                        "time/episodes_per_second": (episode - start_episode) / (time.time() - start_time)})
         samples = None
         if (args.eval_every and update % args.eval_every == 0) or update == args.num_updates:
             eval_metrics, samples = evaluate(args, policy, reward_model, gold_model, eval_prompts, tokenizer, stop_id, device)
@@ -786,7 +792,7 @@ if __name__ == "__main__":
                     tqdm.write(f"  {query!r} -> {response!r} (score {score})")
         log(update, metrics, samples)
         progress.set_postfix(score=f"{metrics['objective/scores']:.3f}", kl=f"{metrics['objective/kl']:.2f}",
-                             eps=f"{metrics['eps']:.0f}")
+                             eps=f"{metrics['time/episodes_per_second']:.0f}")
         if (args.save_every and update % args.save_every == 0) or update == args.num_updates:
             save_checkpoint(args, run_dir, update, episode, {"policy": policy, "value_model": value_model}, tokenizer)
 

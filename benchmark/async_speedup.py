@@ -33,11 +33,11 @@ def run(mode_arguments, total_episodes, extra, output_dir):
     with open(os.path.join(output_dir, run_name, "metrics.jsonl")) as f:
         rows = [json.loads(line) for line in f]
     updates, last = rows[1:], rows[-1]
-    loop_seconds = last["episode"] / last["eps"]  # eps counts from the first update to the last
+    loop_seconds = last["episode"] / last["time/episodes_per_second"]  # it counts from the first update to the last
     return {
         "loop seconds": loop_seconds,
         "process seconds": process_seconds,
-        "episodes/s": last["eps"],
+        "episodes/s": last["time/episodes_per_second"],
         "learner idle": sum(row["time/generation_wait"] for row in updates) / loop_seconds,
         "staleness": sum(row["async/staleness"] for row in updates) / len(updates),
         "proxy score": last["eval/scores"],

@@ -151,8 +151,8 @@ def run_ours(script, precision, workload, updates, output_dir, quick):
     (run_name,) = os.listdir(output_dir)
     with open(os.path.join(output_dir, run_name, "metrics.jsonl")) as f:
         rows = [json.loads(line) for line in f][1:]  # row 0 is the evaluation before training
-    # `eps` counts from the start of the 1st update, so episode / eps is the time at the end of an update.
-    end = [row["episode"] / row["eps"] for row in rows]
+    # time/episodes_per_second counts from the start of the 1st update, so episode / eps is the time at the end of an update.
+    end = [row["episode"] / row["time/episodes_per_second"] for row in rows]
     timed = rows[2:]
     phases = {name: statistics.mean(row.get(f"time/{name}", 0.0) for row in timed)
               for name in ("generation", "generation_wait", "scoring", "training", "weight_sync")}

@@ -6,7 +6,7 @@ import os
 import pytest
 import torch
 from conftest import TINY
-from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 import rloo
 

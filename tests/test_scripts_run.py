@@ -19,7 +19,7 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 SCRIPTS = ["rloo.py", "online_dpo.py", "bok.py", "ppo.py", "online_dpo_vllm.py"]
 COMMON_METRICS = [
     "objective/scores", "objective/raw_scores", "objective/kl", "objective/entropy", "policy/entropy_avg",
-    "loss/policy_avg", "val/num_eos_tokens", "val/response_length", "lr", "episode", "eps", "time/generation",
+    "loss/policy_avg", "val/num_eos_tokens", "val/response_length", "lr", "episode", "time/episodes_per_second", "time/generation",
     "time/scoring", "time/training",
 ]
 DPO_METRICS = ["objective/non_score_reward", "objective/rlhf_reward", "objective/scores_margin", "logps/chosen",
