@@ -82,7 +82,7 @@ class Args:
     wandb_entity: Optional[str] = None
     """wandb entity (team or user)"""
     vllm_gpu: Optional[int] = None
-    """GPU for vLLM (physical index); default: the first GPU no training rank uses, else rank 0's GPU"""
+    """GPU for vLLM, as CUDA_VISIBLE_DEVICES numbers it; default: the next GPU after the policy's, else the policy's"""
     vllm_gpu_memory_utilization: Optional[float] = None
     """share of its GPU's memory vLLM may take (default: 0.9 of a GPU of its own, half the free memory of one it shares with training)"""
     vllm_cpu_cores: int = 1
@@ -458,6 +458,24 @@ def reward_scores(model, query_responses, pad_token_id):
     return forward(model, query_responses, pad_token_id).logits[:, 0].float()
 
 
+def load_model(args, path, tokenizer, reward=False):
+    """A causal LM or, with `reward`, a one-label sequence classifier (None without a path). Dropout is off (it
+    would make the log-probabilities of the same tokens disagree) and the embeddings have room for the pad
+    token, which the tokenizer may have added."""
+    if path is None:
+        return None
+    load = dict(dtype=torch.bfloat16 if args.bf16 else torch.float32, trust_remote_code=args.trust_remote_code)
+    if reward:
+        model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, **load)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(path, **load)
+    disable_dropout(model)
+    model.config.pad_token_id = tokenizer.pad_token_id
+    if len(tokenizer) > model.get_input_embeddings().num_embeddings:
+        model.resize_token_embeddings(len(tokenizer))
+    return model
+
+
 def disable_dropout(model):
     for module in model.modules():
         if isinstance(module, torch.nn.Dropout):
@@ -480,18 +498,8 @@ if __name__ == "__main__":
     output = args.output or os.path.join(args.checkpoints if os.path.isdir(args.checkpoints) else ".",
                                          "evaluation.json")
 
-    dtype = torch.bfloat16 if args.bf16 else torch.float32
-    load = dict(dtype=dtype, trust_remote_code=args.trust_remote_code)
-    models = {"sft": AutoModelForCausalLM.from_pretrained(args.sft_model_path, **load),
-              "gold": AutoModelForSequenceClassification.from_pretrained(args.gold_reward_model_path, num_labels=1,
-                                                                         **load)}
-    for name, model in models.items():
-        model_tokenizer = gold_tokenizer if name == "gold" and gold_tokenizer is not None else tokenizer
-        disable_dropout(model)
-        model.config.pad_token_id = model_tokenizer.pad_token_id
-        if len(model_tokenizer) > model.get_input_embeddings().num_embeddings:  # room for an added pad token
-            model.resize_token_embeddings(len(model_tokenizer))
-        model.to(device).eval()
+    models = {"sft": load_model(args, args.sft_model_path, tokenizer).to(device),
+              "gold": load_model(args, args.gold_reward_model_path, gold_tokenizer or tokenizer, reward=True).to(device)}
     pad = tokenizer.pad_token_id
     tokenizers = (tokenizer, gold_tokenizer)
     reference_gold = score(args, models, prompts, right_pad(references, pad, device), tokenizers, device)["gold"]
@@ -509,9 +517,7 @@ if __name__ == "__main__":
     print(f"{'checkpoint':<40}{'update':>8}{'win rate':>10}{'gold':>9}{'KL':>9}{'perplexity':>12}{'length':>8}")
     try:
         for checkpoint in checkpoints:
-            policy = AutoModelForCausalLM.from_pretrained(checkpoint, **load).to(device).eval()
-            policy.config.pad_token_id = pad
-            disable_dropout(policy)
+            policy = load_model(args, checkpoint, tokenizer).to(device)
             if args.backend == "vllm":
                 if llm is None:
                     llm = start_vllm(args, checkpoint)

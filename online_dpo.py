@@ -520,6 +520,120 @@ def ds_config(args, train):
     return config
 
 
+def set_up_distributed(args):
+    """Join the process group and take this rank's device; returns (rank, device)."""
+    init_distributed()
+    rank = dist.get_rank()
+    device = torch.device(get_accelerator().device_name(args.local_rank))
+    if torch.cuda.is_available():
+        torch.cuda.set_device(device)
+    torch.manual_seed(args.seed + rank)  # each rank samples different responses
+    return rank, device
+
+
+def load_data(args, prompts_per_rank):
+    """The tokenizer, the stop token's id and the tokenised train and eval prompts, checked (with the reward
+    models' tokenizers) before any model is loaded."""
+    tokenizer = load_tokenizer(args.sft_model_path, args.trust_remote_code)
+    stop_id = stop_token_id(args, tokenizer)
+    train_prompts, eval_prompts = load_prompts(args, tokenizer)
+    if len(train_prompts) < prompts_per_rank * args.world_size:
+        fail("per_device_train_batch_size", f"a batch needs {prompts_per_rank * args.world_size} prompts; "
+                                            f"the train split has {len(train_prompts)}")
+    if load_tokenizer(args.reward_model_path, args.trust_remote_code).get_vocab() != tokenizer.get_vocab():
+        fail("reward_model_path", "the reward model's tokenizer differs from the policy's")
+    if (args.gold_reward_model_path and load_tokenizer(args.gold_reward_model_path, args.trust_remote_code).get_vocab()
+            != tokenizer.get_vocab()):
+        fail("gold_reward_model_path", "the gold reward model's tokenizer differs from the policy's "
+                                       "(evaluate.py scores such a model on re-tokenised text)")
+    return tokenizer, stop_id, train_prompts, eval_prompts
+
+
+def run_directory(args):
+    """(name, directory) of the run: the resumed run's, or <output_dir>/<exp_name>__<seed>__<rank 0's time>."""
+    run_dir = os.path.dirname(os.path.abspath(latest_checkpoint(args.resume))) if args.resume else None
+    name = [os.path.basename(run_dir) if run_dir else f"{args.exp_name}__{args.seed}__{int(time.time())}"]
+    dist.broadcast_object_list(name, src=0)  # every rank uses rank 0's clock
+    return name[0], run_dir or os.path.join(os.path.abspath(args.output_dir), name[0])
+
+
+def load_model(args, path, tokenizer, reward=False):
+    """A causal LM or, with `reward`, a one-label sequence classifier (None without a path). Dropout is off (it
+    would make the log-probabilities of the same tokens disagree) and the embeddings have room for the pad
+    token, which the tokenizer may have added."""
+    if path is None:
+        return None
+    load = dict(dtype=torch.bfloat16 if args.bf16 else torch.float32, trust_remote_code=args.trust_remote_code)
+    if reward:
+        model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, **load)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(path, **load)
+    disable_dropout(model)
+    model.config.pad_token_id = tokenizer.pad_token_id
+    if len(tokenizer) > model.get_input_embeddings().num_embeddings:
+        model.resize_token_embeddings(len(tokenizer))
+    return model
+
+
+def training_engine(args, model):
+    """A DeepSpeed engine that trains `model` with AdamW (DeepSpeed's CPU Adam when the optimizer is offloaded),
+    the learning rate decayed linearly to zero over the run's optimizer steps."""
+    if args.gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+    config = ds_config(args, train=True)
+    offload = config["zero_optimization"].get("offload_optimizer", {}).get("device", "none") != "none"
+    adam = deepspeed.ops.adam.DeepSpeedCPUAdam if offload else torch.optim.AdamW
+    optimizer = adam(model.parameters(), lr=args.learning_rate, eps=1e-5, weight_decay=0.0)
+    num_steps = args.num_updates * args.num_mini_batches * args.num_ppo_epochs
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 - step / num_steps)
+    return deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler, config=config)[0]
+
+
+def frozen_engine(args, model):
+    """A DeepSpeed engine that only runs `model` forward (partitioned under ZeRO-3); None for None."""
+    if model is None:
+        return None
+    return deepspeed.initialize(model=model.eval(), config=ds_config(args, train=False))[0]
+
+
+class RunLog:
+    """The run's record, written by rank 0: metrics.jsonl in the run directory (on resume, the lines logged
+    after the checkpoint are dropped) and, with --track, wandb."""
+
+    def __init__(self, args, run_dir, run_name, start_update):
+        self.writer, self.track = dist.get_rank() == 0, args.track
+        self.path = os.path.join(run_dir, "metrics.jsonl")
+        if not self.writer:
+            return
+        os.makedirs(run_dir, exist_ok=True)
+        if args.resume and os.path.exists(self.path):
+            with open(self.path) as f:
+                kept = [line for line in f if json.loads(line)["update"] <= start_update]
+            with open(self.path, "w") as f:
+                f.writelines(kept)
+        if self.track:
+            import wandb
+
+            self.wandb = wandb
+            wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, name=run_name, id=run_name,
+                       config=asdict(args), resume="allow" if args.resume else None, save_code=True)
+
+    def log(self, update, metrics, samples=None):
+        if not self.writer:
+            return
+        with open(self.path, "a") as f:
+            f.write(json.dumps({"update": update, **metrics}) + "\n")
+        if self.track:
+            self.wandb.log(metrics, step=metrics["episode"])
+            if samples:
+                table = self.wandb.Table(columns=["query", "response", "score"], data=samples)
+                self.wandb.log({"eval/samples": table}, step=metrics["episode"])
+
+    def close(self):
+        if self.writer and self.track:
+            self.wandb.finish()
+
+
 def disable_dropout(model):
     for module in model.modules():
         if isinstance(module, torch.nn.Dropout):
@@ -530,101 +644,31 @@ if __name__ == "__main__":
     args = tyro.cli(Args)
     args.world_size = int(os.environ.get("WORLD_SIZE", "1"))
     validate(args)
-    init_distributed()
-    rank = dist.get_rank()
-    device = torch.device(get_accelerator().device_name(args.local_rank))
-    if torch.cuda.is_available():
-        torch.cuda.set_device(device)
-    torch.manual_seed(args.seed + rank)  # each rank samples different responses
-
-    # Tokenizer, data and stop token are checked before any model is loaded.
-    tokenizer = load_tokenizer(args.sft_model_path, args.trust_remote_code)
-    stop_id = stop_token_id(args, tokenizer)
-    train_prompts, eval_prompts = load_prompts(args, tokenizer)
+    rank, device = set_up_distributed(args)
     prompts_per_rank = args.local_batch_size // args.k
-    if len(train_prompts) < prompts_per_rank * args.world_size:
-        fail("per_device_train_batch_size", f"a batch needs {prompts_per_rank * args.world_size} prompts; "
-                                            f"the train split has {len(train_prompts)}")
-    if load_tokenizer(args.reward_model_path, args.trust_remote_code).get_vocab() != tokenizer.get_vocab():
-        fail("reward_model_path", "the reward model's tokenizer differs from the policy's")
-    if (args.gold_reward_model_path and load_tokenizer(args.gold_reward_model_path, args.trust_remote_code).get_vocab()
-            != tokenizer.get_vocab()):
-        fail("gold_reward_model_path", "the gold reward model's tokenizer differs from the policy's "
-                                       "(evaluate.py scores such a model on re-tokenised text)")
+    tokenizer, stop_id, train_prompts, eval_prompts = load_data(args, prompts_per_rank)
+    run_name, run_dir = run_directory(args)
 
-    run_dir = os.path.dirname(os.path.abspath(latest_checkpoint(args.resume))) if args.resume else None
-    run_name = os.path.basename(run_dir) if run_dir else f"{args.exp_name}__{args.seed}__{int(time.time())}"
-    run_name = [run_name]
-    dist.broadcast_object_list(run_name, src=0)  # every rank uses rank 0's clock
-    run_dir = run_dir or os.path.join(os.path.abspath(args.output_dir), run_name[0])
-
-    # Models. Dropout is off: it would make the log-probabilities of the same tokens disagree.
-    dtype = torch.bfloat16 if args.bf16 else torch.float32
-    load = dict(dtype=dtype, trust_remote_code=args.trust_remote_code)
-    policy = AutoModelForCausalLM.from_pretrained(args.sft_model_path, **load)
-    ref_policy = AutoModelForCausalLM.from_pretrained(args.sft_model_path, **load)
-    reward_model = AutoModelForSequenceClassification.from_pretrained(args.reward_model_path, num_labels=1, **load)
-    gold_model = None
-    if args.gold_reward_model_path:
-        gold_model = AutoModelForSequenceClassification.from_pretrained(args.gold_reward_model_path, num_labels=1, **load)
-    for model in (policy, ref_policy, reward_model, gold_model):
-        if model is not None:
-            disable_dropout(model)
-            model.config.pad_token_id = tokenizer.pad_token_id
-            if len(tokenizer) > model.get_input_embeddings().num_embeddings:  # room for an added pad token
-                model.resize_token_embeddings(len(tokenizer))
-    if args.gradient_checkpointing:
-        policy.gradient_checkpointing_enable()
-
-    # DeepSpeed engines: the policy trains; the reference and reward models only run forward.
-    config = ds_config(args, train=True)
-    offload = config["zero_optimization"].get("offload_optimizer", {}).get("device", "none") != "none"
-    adam = deepspeed.ops.adam.DeepSpeedCPUAdam if offload else torch.optim.AdamW
-    optimizer = adam(policy.parameters(), lr=args.learning_rate, eps=1e-5, weight_decay=0.0)
-    num_steps = args.num_updates * args.num_mini_batches * args.num_ppo_epochs
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 - step / num_steps)
-    policy, *_ = deepspeed.initialize(model=policy, optimizer=optimizer, lr_scheduler=scheduler, config=config)
-    frozen = [deepspeed.initialize(model=m.eval(), config=ds_config(args, train=False))[0] if m is not None else None
-              for m in (ref_policy, reward_model, gold_model)]
-    ref_policy, reward_model, gold_model = frozen
+    # Models and DeepSpeed engines: the policy trains; the reference and reward models only run forward.
+    policy = training_engine(args, load_model(args, args.sft_model_path, tokenizer))
+    ref_policy = frozen_engine(args, load_model(args, args.sft_model_path, tokenizer))
+    reward_model = frozen_engine(args, load_model(args, args.reward_model_path, tokenizer, reward=True))
+    gold_model = frozen_engine(args, load_model(args, args.gold_reward_model_path, tokenizer, reward=True))
 
     start_update, episode = 0, 0
     if args.resume:
         start_update, episode = load_checkpoint(latest_checkpoint(args.resume), {"policy": policy})
 
-    # Tracking: metrics.jsonl always (rank 0), wandb with --track.
-    metrics_path = os.path.join(run_dir, "metrics.jsonl")
+    run_log = RunLog(args, run_dir, run_name, start_update)  # metrics.jsonl (rank 0), wandb with --track
     if rank == 0:
-        os.makedirs(run_dir, exist_ok=True)
-        if args.resume and os.path.exists(metrics_path):  # drop what was logged after the checkpoint
-            with open(metrics_path) as f:
-                kept = [line for line in f if json.loads(line)["update"] <= start_update]
-            with open(metrics_path, "w") as f:
-                f.writelines(kept)
-        if args.track:
-            import wandb
-
-            wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, name=run_name[0], id=run_name[0],
-                       config=asdict(args), resume="allow" if args.resume else None, save_code=True)
         print(f"run {run_dir}: {args.num_updates} updates of {args.batch_size} responses "
               f"({args.batch_size // args.k} prompts x {args.k})", flush=True)
-
-    def log(update, metrics, samples=None):
-        if rank != 0:
-            return
-        with open(metrics_path, "a") as f:
-            f.write(json.dumps({"update": update, **metrics}) + "\n")
-        if args.track:
-            wandb.log(metrics, step=metrics["episode"])
-            if samples:
-                wandb.log({"eval/samples": wandb.Table(columns=["query", "response", "score"], data=samples)},
-                          step=metrics["episode"])
 
     pad = tokenizer.pad_token_id
     progress = tqdm(total=args.num_updates * args.batch_size, initial=episode, unit="ep", disable=rank != 0)
     if not args.resume:  # the curves start from the SFT policy
         eval_metrics, samples = evaluate(args, policy, reward_model, gold_model, eval_prompts, tokenizer, stop_id, device)
-        log(0, {**eval_metrics, "episode": 0}, samples)
+        run_log.log(0, {**eval_metrics, "episode": 0}, samples)
     start_time, start_episode = time.time(), episode
     for update in range(start_update + 1, args.num_updates + 1):
         # 1. Generate k responses per prompt with the current policy.
@@ -669,8 +713,8 @@ if __name__ == "__main__":
                 for mc_start in range(mb_start, mb_start + mini_batch_prompts, micro_batch_prompts):
                     prompts = order[mc_start: mc_start + micro_batch_prompts]
                     idx = torch.cat([chosen[prompts], rejected[prompts]])  # chosen first, then rejected
-                    output = forward(policy, query_responses[idx], pad)
-                    new_logprobs = response_logprobs(output.logits, responses[idx], context_length, args.temperature)
+                    logits = forward(policy, query_responses[idx], pad).logits
+                    new_logprobs = response_logprobs(logits, responses[idx], context_length, args.temperature)
                     new_logprobs = new_logprobs.masked_fill(padding_mask[idx], 0.0).sum(1)
                     new_logratios = new_logprobs - ref_logprobs[idx].sum(1)
                     chosen_logratios, rejected_logratios = new_logratios.chunk(2)
@@ -678,7 +722,7 @@ if __name__ == "__main__":
                     policy.backward(loss)
                     policy.step()
                     with torch.no_grad():
-                        entropy = entropy_from_logits(output.logits[:, context_length - 1: -1] / args.temperature)
+                        entropy = entropy_from_logits(logits[:, context_length - 1: -1] / args.temperature)
                         stats["loss"].append(loss)
                         stats["chosen_logps"].append(new_logprobs.chunk(2)[0].mean())
                         stats["rejected_logps"].append(new_logprobs.chunk(2)[1].mean())
@@ -726,14 +770,13 @@ if __name__ == "__main__":
                 tqdm.write(f"update {update}: " + ", ".join(f"{k} {v:.3f}" for k, v in eval_metrics.items()))
                 for query, response, score in samples[:2]:
                     tqdm.write(f"  {query!r} -> {response!r} (score {score})")
-        log(update, metrics, samples)
+        run_log.log(update, metrics, samples)
         progress.set_postfix(score=f"{metrics['objective/scores']:.3f}", kl=f"{metrics['objective/kl']:.2f}",
                              eps=f"{metrics['time/episodes_per_second']:.0f}")
         if (args.save_every and update % args.save_every == 0) or update == args.num_updates:
             save_checkpoint(args, run_dir, update, episode, {"policy": policy}, tokenizer)
 
     progress.close()
-    if rank == 0 and args.track:
-        wandb.finish()
+    run_log.close()
     dist.barrier()
     dist.destroy_process_group()

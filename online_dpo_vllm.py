@@ -7,7 +7,7 @@ changes is who generates and when (Noukhovitch et al. 2025, "Asynchronous RLHF: 
 Efficient Off-Policy RL for Language Models", arXiv 2410.18252): a vLLM engine on rank 0, in its
 own process and on its own device, generates batch t+1 with the policy's weights of K updates ago
 while the learner trains on batch t. After each update the learner hands its weights to vLLM.
-Every batch carries the policy version that generated it; `async/staleness` logs how many
+Every batch carries the policy version that generated it; `async/off_policy_steps` logs how many
 updates old the policy behind each trained batch was (K, or fewer for the first K batches).
 `--sync` makes the same script on-policy: generation and training take turns.
 
@@ -30,7 +30,7 @@ import sys
 import threading
 import time
 from dataclasses import asdict, dataclass
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -115,7 +115,7 @@ class Args:
     sync: bool = False
     """on-policy: generate each batch with the newest policy, taking turns with training (for comparison)"""
     vllm_gpu: Optional[int] = None
-    """GPU for vLLM (physical index); default: the first GPU no training rank uses, else rank 0's GPU"""
+    """GPU for vLLM, as CUDA_VISIBLE_DEVICES numbers it; default: the next GPU after the training ranks', else rank 0's"""
     vllm_gpu_memory_utilization: Optional[float] = None
     """share of its GPU's memory vLLM may take (default: 0.9 of a GPU of its own, half the free memory of one it shares with training)"""
     vllm_cpu_cores: int = 1
@@ -549,6 +549,120 @@ def ds_config(args, train):
     return config
 
 
+def set_up_distributed(args):
+    """Join the process group and take this rank's device; returns (rank, device)."""
+    init_distributed()
+    rank = dist.get_rank()
+    device = torch.device(get_accelerator().device_name(args.local_rank))
+    if torch.cuda.is_available():
+        torch.cuda.set_device(device)
+    torch.manual_seed(args.seed + rank)  # each rank samples different responses
+    return rank, device
+
+
+def load_data(args, prompts_per_rank):
+    """The tokenizer, the stop token's id and the tokenised train and eval prompts, checked (with the reward
+    models' tokenizers) before any model is loaded."""
+    tokenizer = load_tokenizer(args.sft_model_path, args.trust_remote_code)
+    stop_id = stop_token_id(args, tokenizer)
+    train_prompts, eval_prompts = load_prompts(args, tokenizer)
+    if len(train_prompts) < prompts_per_rank * args.world_size:
+        fail("per_device_train_batch_size", f"a batch needs {prompts_per_rank * args.world_size} prompts; "
+                                            f"the train split has {len(train_prompts)}")
+    if load_tokenizer(args.reward_model_path, args.trust_remote_code).get_vocab() != tokenizer.get_vocab():
+        fail("reward_model_path", "the reward model's tokenizer differs from the policy's")
+    if (args.gold_reward_model_path and load_tokenizer(args.gold_reward_model_path, args.trust_remote_code).get_vocab()
+            != tokenizer.get_vocab()):
+        fail("gold_reward_model_path", "the gold reward model's tokenizer differs from the policy's "
+                                       "(evaluate.py scores such a model on re-tokenised text)")
+    return tokenizer, stop_id, train_prompts, eval_prompts
+
+
+def run_directory(args):
+    """(name, directory) of the run: the resumed run's, or <output_dir>/<exp_name>__<seed>__<rank 0's time>."""
+    run_dir = os.path.dirname(os.path.abspath(latest_checkpoint(args.resume))) if args.resume else None
+    name = [os.path.basename(run_dir) if run_dir else f"{args.exp_name}__{args.seed}__{int(time.time())}"]
+    dist.broadcast_object_list(name, src=0)  # every rank uses rank 0's clock
+    return name[0], run_dir or os.path.join(os.path.abspath(args.output_dir), name[0])
+
+
+def load_model(args, path, tokenizer, reward=False):
+    """A causal LM or, with `reward`, a one-label sequence classifier (None without a path). Dropout is off (it
+    would make the log-probabilities of the same tokens disagree) and the embeddings have room for the pad
+    token, which the tokenizer may have added."""
+    if path is None:
+        return None
+    load = dict(dtype=torch.bfloat16 if args.bf16 else torch.float32, trust_remote_code=args.trust_remote_code)
+    if reward:
+        model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, **load)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(path, **load)
+    disable_dropout(model)
+    model.config.pad_token_id = tokenizer.pad_token_id
+    if len(tokenizer) > model.get_input_embeddings().num_embeddings:
+        model.resize_token_embeddings(len(tokenizer))
+    return model
+
+
+def training_engine(args, model):
+    """A DeepSpeed engine that trains `model` with AdamW (DeepSpeed's CPU Adam when the optimizer is offloaded),
+    the learning rate decayed linearly to zero over the run's optimizer steps."""
+    if args.gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+    config = ds_config(args, train=True)
+    offload = config["zero_optimization"].get("offload_optimizer", {}).get("device", "none") != "none"
+    adam = deepspeed.ops.adam.DeepSpeedCPUAdam if offload else torch.optim.AdamW
+    optimizer = adam(model.parameters(), lr=args.learning_rate, eps=1e-5, weight_decay=0.0)
+    num_steps = args.num_updates * args.num_mini_batches * args.num_ppo_epochs
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 - step / num_steps)
+    return deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler, config=config)[0]
+
+
+def frozen_engine(args, model):
+    """A DeepSpeed engine that only runs `model` forward (partitioned under ZeRO-3); None for None."""
+    if model is None:
+        return None
+    return deepspeed.initialize(model=model.eval(), config=ds_config(args, train=False))[0]
+
+
+class RunLog:
+    """The run's record, written by rank 0: metrics.jsonl in the run directory (on resume, the lines logged
+    after the checkpoint are dropped) and, with --track, wandb."""
+
+    def __init__(self, args, run_dir, run_name, start_update):
+        self.writer, self.track = dist.get_rank() == 0, args.track
+        self.path = os.path.join(run_dir, "metrics.jsonl")
+        if not self.writer:
+            return
+        os.makedirs(run_dir, exist_ok=True)
+        if args.resume and os.path.exists(self.path):
+            with open(self.path) as f:
+                kept = [line for line in f if json.loads(line)["update"] <= start_update]
+            with open(self.path, "w") as f:
+                f.writelines(kept)
+        if self.track:
+            import wandb
+
+            self.wandb = wandb
+            wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, name=run_name, id=run_name,
+                       config=asdict(args), resume="allow" if args.resume else None, save_code=True)
+
+    def log(self, update, metrics, samples=None):
+        if not self.writer:
+            return
+        with open(self.path, "a") as f:
+            f.write(json.dumps({"update": update, **metrics}) + "\n")
+        if self.track:
+            self.wandb.log(metrics, step=metrics["episode"])
+            if samples:
+                table = self.wandb.Table(columns=["query", "response", "score"], data=samples)
+                self.wandb.log({"eval/samples": table}, step=metrics["episode"])
+
+    def close(self):
+        if self.writer and self.track:
+            self.wandb.finish()
+
+
 def disable_dropout(model):
     for module in model.modules():
         if isinstance(module, torch.nn.Dropout):
@@ -692,19 +806,34 @@ def weights_root(run_dir, needed_bytes, shm="/dev/shm"):
     return run_dir
 
 
+def generating_version(update, first_version, off_policy_steps):
+    """The policy version that generates batch `update` (version v is the policy after v updates): the one
+    off_policy_steps (K) updates before the version that trains on it, never one before the run started."""
+    return max(first_version, update - 1 - off_policy_steps)
+
+
+class GeneratedBatch(NamedTuple):
+    """One update's batch: the policy version that generated it, each rank's responses (sample j of prompt i at
+    j * prompts_per_rank + i), and the seconds spent generating it and loading its version into vLLM."""
+    version: int
+    responses: list
+    generation_time: float
+    load_time: float
+
+
 class Generator:
     """vLLM on rank 0, generating in a background thread while the learner trains.
 
-    The engine runs in its own process, so generation and training overlap; this thread only
-    feeds it. Batch `update` is generated by policy version max(first_version, update - 1 - lag),
-    where version v is the policy after v updates: lag is --off-policy-steps, or 0 with --sync
-    (generation then waits for the newest policy, and the two take turns). The learner hands each
-    version over with publish() and takes the batches, in order, with get(). Every wait is
-    bounded by --generation-timeout, and an error in the generator is raised in the learner."""
+    The engine runs in its own process, so generation and training overlap; this thread only feeds it, one batch
+    after another, each with the policy version generating_version() names, which it waits for. The learner
+    hands every version over with publish() and takes the batches, in order, with get(). Every wait is bounded
+    by --generation-timeout; an error in the generator, or the death of vLLM's engine, is raised in the learner."""
 
-    def __init__(self, args, llm, weights_dir, train_prompts, prompts_per_rank, stop_id, first_version, lag):
-        self.args, self.llm, self.weights_dir, self.stop_id, self.lag = args, llm, weights_dir, stop_id, lag
-        self.train_prompts, self.prompts_per_rank, self.first_version = train_prompts, prompts_per_rank, first_version
+    def __init__(self, args, llm, *, weights_dir, train_prompts, prompts_per_rank, stop_id, first_version,
+                 off_policy_steps):
+        self.args, self.llm, self.weights_dir, self.stop_id = args, llm, weights_dir, stop_id
+        self.train_prompts, self.prompts_per_rank = train_prompts, prompts_per_rank
+        self.first_version, self.off_policy_steps = first_version, off_policy_steps
         self.batches, self.versions = queue.Queue(), queue.Queue()
         self.error = None
         self.stopping = threading.Event()
@@ -712,11 +841,13 @@ class Generator:
         self.thread.start()
 
     def publish(self, version, weights_path):
+        """Hand the generator version `version` of the policy, a save_pretrained directory that it deletes."""
         self.versions.put((version, weights_path))
 
     def get(self):
-        """The next batch: (policy version, responses of each rank, generation seconds, weight-reload seconds)."""
-        return self._wait(self.batches, "a generation batch")
+        """The next GeneratedBatch, for the learner: raises the generator's error, or the engine's death, as
+        soon as either happens."""
+        return self._take(self.batches, "a generation batch", check=self._raise_if_generator_failed)
 
     def close(self):
         """Stop the thread and the engine and delete the handed-over weights (safe to call twice)."""
@@ -725,18 +856,21 @@ class Generator:
         self.thread.join(timeout=5)  # a daemon: if it is stuck in a dead engine, the process exits without it
         shutil.rmtree(self.weights_dir, ignore_errors=True)
 
-    def _wait(self, source, what):
+    def _raise_if_generator_failed(self):
+        if self.error is not None:
+            raise RuntimeError(f"the generator failed: {self.error!r}") from self.error
+        if self.llm.llm_engine.engine_core.resources.engine_dead:  # a generate() waiting on it never returns
+            raise RuntimeError("the generator failed: vLLM's engine process died")
+
+    def _take(self, source, what, check):
+        """The next item of a queue, waiting at most --generation-timeout and calling `check` meanwhile."""
         deadline = time.time() + self.args.generation_timeout
         while True:
             try:
                 return source.get(timeout=0.2)
             except queue.Empty:
                 pass
-            if threading.current_thread() is not self.thread:  # the learner asks: is the generator alive?
-                if self.error is not None:
-                    raise RuntimeError(f"the generator failed: {self.error!r}") from self.error
-                if self.llm.llm_engine.engine_core.resources.engine_dead:  # a generate() waiting on it never returns
-                    raise RuntimeError("the generator failed: vLLM's engine process died")
+            check()
             if self.stopping.is_set():
                 raise RuntimeError("the learner stopped")
             if time.time() > deadline:
@@ -748,19 +882,24 @@ class Generator:
             loaded = self.first_version
             for update in range(self.first_version + 1, args.num_updates + 1):
                 t0 = time.time()
-                while loaded < max(self.first_version, update - 1 - self.lag):
-                    loaded, weights_path = self._wait(self.versions, "new weights")
+                while loaded < generating_version(update, self.first_version, self.off_policy_steps):
+                    loaded, weights_path = self._take(self.versions, "new weights", check=lambda: None)
                     load_into_vllm(self.llm, weights_path)
                     shutil.rmtree(weights_path, ignore_errors=True)
                 t1 = time.time()
+                # Every rank's prompts, rank after rank, as the synchronous scripts choose them.
                 prompts = [self.train_prompts[i] for r in range(world_size) for i in
                            prompt_batch(len(self.train_prompts), self.prompts_per_rank, update - 1, args.seed, r,
                                         world_size)]
+                # Request i of this batch gets the seed below + i: seeds never repeat across batches, so a batch
+                # depends only on the weights and --seed (which keeps reruns and resumed runs exact).
                 responses = vllm_generate(self.llm, prompts, args.k, args.response_length, self.stop_id,
                                           args.temperature, seed=args.seed * 2**32 + update * args.batch_size)
+                # vLLM returns sample j of prompt p at j * len(prompts) + p, and rank r's prompt i is p =
+                # r * prompts_per_rank + i: regroup per rank, sample-major like the synchronous scripts' batches.
                 per_rank = [[responses[j * len(prompts) + r * self.prompts_per_rank + i] for j in range(args.k)
                              for i in range(self.prompts_per_rank)] for r in range(world_size)]
-                self.batches.put((loaded, per_rank, time.time() - t1, t1 - t0))
+                self.batches.put(GeneratedBatch(loaded, per_rank, time.time() - t1, t1 - t0))
         except BaseException as error:  # handed to the learner, which raises it
             self.error = error
 
@@ -769,131 +908,63 @@ if __name__ == "__main__":
     args = tyro.cli(Args)
     args.world_size = int(os.environ.get("WORLD_SIZE", "1"))
     validate(args)
-    init_distributed()
-    rank = dist.get_rank()
-    device = torch.device(get_accelerator().device_name(args.local_rank))
-    if torch.cuda.is_available():
-        torch.cuda.set_device(device)
-    else:  # vLLM gets --vllm-cpu-cores of its own; the learner ranks share the others
+    rank, device = set_up_distributed(args)
+    if not torch.cuda.is_available():  # vLLM gets --vllm-cpu-cores of its own; the learner ranks share the others
         torch.set_num_threads(max(1, (len(os.sched_getaffinity(0)) - args.vllm_cpu_cores) // args.world_size))
-    torch.manual_seed(args.seed + rank)  # each rank samples different responses
-
-    # Tokenizer, data and stop token are checked before any model is loaded.
-    tokenizer = load_tokenizer(args.sft_model_path, args.trust_remote_code)
-    stop_id = stop_token_id(args, tokenizer)
-    train_prompts, eval_prompts = load_prompts(args, tokenizer)
     prompts_per_rank = args.local_batch_size // args.k
-    if len(train_prompts) < prompts_per_rank * args.world_size:
-        fail("per_device_train_batch_size", f"a batch needs {prompts_per_rank * args.world_size} prompts; "
-                                            f"the train split has {len(train_prompts)}")
-    if load_tokenizer(args.reward_model_path, args.trust_remote_code).get_vocab() != tokenizer.get_vocab():
-        fail("reward_model_path", "the reward model's tokenizer differs from the policy's")
-    if (args.gold_reward_model_path and load_tokenizer(args.gold_reward_model_path, args.trust_remote_code).get_vocab()
-            != tokenizer.get_vocab()):
-        fail("gold_reward_model_path", "the gold reward model's tokenizer differs from the policy's "
-                                       "(evaluate.py scores such a model on re-tokenised text)")
+    tokenizer, stop_id, train_prompts, eval_prompts = load_data(args, prompts_per_rank)
+    run_name, run_dir = run_directory(args)
 
-    run_dir = os.path.dirname(os.path.abspath(latest_checkpoint(args.resume))) if args.resume else None
-    run_name = os.path.basename(run_dir) if run_dir else f"{args.exp_name}__{args.seed}__{int(time.time())}"
-    run_name = [run_name]
-    dist.broadcast_object_list(run_name, src=0)  # every rank uses rank 0's clock
-    run_dir = run_dir or os.path.join(os.path.abspath(args.output_dir), run_name[0])
-
-    # Models. Dropout is off: it would make the log-probabilities of the same tokens disagree.
-    dtype = torch.bfloat16 if args.bf16 else torch.float32
-    load = dict(dtype=dtype, trust_remote_code=args.trust_remote_code)
-    policy = AutoModelForCausalLM.from_pretrained(args.sft_model_path, **load)
-    ref_policy = AutoModelForCausalLM.from_pretrained(args.sft_model_path, **load)
-    reward_model = AutoModelForSequenceClassification.from_pretrained(args.reward_model_path, num_labels=1, **load)
-    gold_model = None
-    if args.gold_reward_model_path:
-        gold_model = AutoModelForSequenceClassification.from_pretrained(args.gold_reward_model_path, num_labels=1, **load)
-    for model in (policy, ref_policy, reward_model, gold_model):
-        if model is not None:
-            disable_dropout(model)
-            model.config.pad_token_id = tokenizer.pad_token_id
-            if len(tokenizer) > model.get_input_embeddings().num_embeddings:  # room for an added pad token
-                model.resize_token_embeddings(len(tokenizer))
-    if args.gradient_checkpointing:
-        policy.gradient_checkpointing_enable()
-
-    # DeepSpeed engines: the policy trains; the reference and reward models only run forward.
-    config = ds_config(args, train=True)
-    offload = config["zero_optimization"].get("offload_optimizer", {}).get("device", "none") != "none"
-    adam = deepspeed.ops.adam.DeepSpeedCPUAdam if offload else torch.optim.AdamW
-    optimizer = adam(policy.parameters(), lr=args.learning_rate, eps=1e-5, weight_decay=0.0)
-    num_steps = args.num_updates * args.num_mini_batches * args.num_ppo_epochs
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 - step / num_steps)
-    policy, *_ = deepspeed.initialize(model=policy, optimizer=optimizer, lr_scheduler=scheduler, config=config)
-    frozen = [deepspeed.initialize(model=m.eval(), config=ds_config(args, train=False))[0] if m is not None else None
-              for m in (ref_policy, reward_model, gold_model)]
-    ref_policy, reward_model, gold_model = frozen
+    # Models and DeepSpeed engines: the policy trains; the reference and reward models only run forward.
+    policy = training_engine(args, load_model(args, args.sft_model_path, tokenizer))
+    ref_policy = frozen_engine(args, load_model(args, args.sft_model_path, tokenizer))
+    reward_model = frozen_engine(args, load_model(args, args.reward_model_path, tokenizer, reward=True))
+    gold_model = frozen_engine(args, load_model(args, args.gold_reward_model_path, tokenizer, reward=True))
 
     start_update, episode = 0, 0
     if args.resume:
         start_update, episode = load_checkpoint(latest_checkpoint(args.resume), {"policy": policy})
 
     # vLLM on rank 0, started from the learner's weights (version start_update: the SFT policy, or
-    # the resumed one). Weights move through memory (/dev/shm) when it has room for the lag + 1 versions
+    # the resumed one). Weights move through memory (/dev/shm) when it has room for the K + 1 versions
     # that can be on their way at once, else through the run directory; each version is deleted once
     # vLLM has loaded it. Rank 0's process id keeps two runs of one name (a sweep) apart.
-    lag = 0 if args.sync else args.off_policy_steps
+    off_policy_steps = 0 if args.sync else args.off_policy_steps  # K
     version_bytes = sum(getattr(p, "ds_numel", p.numel()) for p in policy.module.parameters()) * (2 if args.bf16 else 4)
-    root = weights_root(run_dir, (lag + 1) * version_bytes) if rank == 0 else run_dir  # only rank 0 writes
-    weights_dir = os.path.join(root, f"{run_name[0]}-{os.getpid()}-weights")
+    root = weights_root(run_dir, (off_policy_steps + 1) * version_bytes) if rank == 0 else run_dir  # only rank 0 writes
+    weights_dir = os.path.join(root, f"{run_name}-{os.getpid()}-weights")
     save_for_vllm(policy, os.path.join(weights_dir, f"policy-{start_update}"))
     if rank == 0:
         tokenizer.save_pretrained(os.path.join(weights_dir, f"policy-{start_update}"))
         llm = start_vllm(args, os.path.join(weights_dir, f"policy-{start_update}"))
         shutil.rmtree(os.path.join(weights_dir, f"policy-{start_update}"))
-        generator = Generator(args, llm, weights_dir, train_prompts, prompts_per_rank, stop_id, start_update, lag)
+        generator = Generator(args, llm, weights_dir=weights_dir, train_prompts=train_prompts,
+                              prompts_per_rank=prompts_per_rank, stop_id=stop_id, first_version=start_update,
+                              off_policy_steps=off_policy_steps)
         atexit.register(generator.close)  # on every way out: the end, an error, Ctrl-C, SIGTERM (next line)
         signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
 
-    # Tracking: metrics.jsonl always (rank 0), wandb with --track.
-    metrics_path = os.path.join(run_dir, "metrics.jsonl")
+    run_log = RunLog(args, run_dir, run_name, start_update)  # metrics.jsonl (rank 0), wandb with --track
     if rank == 0:
-        os.makedirs(run_dir, exist_ok=True)
-        if args.resume and os.path.exists(metrics_path):  # drop what was logged after the checkpoint
-            with open(metrics_path) as f:
-                kept = [line for line in f if json.loads(line)["update"] <= start_update]
-            with open(metrics_path, "w") as f:
-                f.writelines(kept)
-        if args.track:
-            import wandb
-
-            wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, name=run_name[0], id=run_name[0],
-                       config=asdict(args), resume="allow" if args.resume else None, save_code=True)
         print(f"run {run_dir}: {args.num_updates} updates of {args.batch_size} responses "
               f"({args.batch_size // args.k} prompts x {args.k})", flush=True)
-
-    def log(update, metrics, samples=None):
-        if rank != 0:
-            return
-        with open(metrics_path, "a") as f:
-            f.write(json.dumps({"update": update, **metrics}) + "\n")
-        if args.track:
-            wandb.log(metrics, step=metrics["episode"])
-            if samples:
-                wandb.log({"eval/samples": wandb.Table(columns=["query", "response", "score"], data=samples)},
-                          step=metrics["episode"])
 
     pad = tokenizer.pad_token_id
     progress = tqdm(total=args.num_updates * args.batch_size, initial=episode, unit="ep", disable=rank != 0)
     if not args.resume:  # the curves start from the SFT policy
         eval_metrics, samples = evaluate(args, policy, reward_model, gold_model, eval_prompts, tokenizer, stop_id, device)
-        log(0, {**eval_metrics, "episode": 0}, samples)
+        run_log.log(0, {**eval_metrics, "episode": 0}, samples)
     start_time, start_episode = time.time(), episode
     for update in range(start_update + 1, args.num_updates + 1):
-        # 1. Take the next batch from the generator: k responses per prompt, by policy `version`.
+        # 1. Take the next batch from the generator: k responses per prompt, generated by policy `batch.version`.
         t0 = time.time()
         batch = [generator.get() if rank == 0 else None]
         dist.broadcast_object_list(batch, src=0)
-        version, per_rank, generation_time, reload_time = batch[0]
+        batch = batch[0]
         indices = prompt_batch(len(train_prompts), prompts_per_rank, update - 1, args.seed, rank, args.world_size)
         queries = left_pad([train_prompts[i] for i in indices], pad, device).repeat(args.k, 1)
         context_length = queries.shape[1]
-        responses = truncate_response(right_pad(per_rank[rank], pad, device), stop_id, pad)
+        responses = truncate_response(right_pad(batch.responses[rank], pad, device), stop_id, pad)
         query_responses = torch.cat([queries, responses], 1)
         padding_mask = responses == pad  # everything after the response
         t1 = time.time()
@@ -928,8 +999,8 @@ if __name__ == "__main__":
                 for mc_start in range(mb_start, mb_start + mini_batch_prompts, micro_batch_prompts):
                     prompts = order[mc_start: mc_start + micro_batch_prompts]
                     idx = torch.cat([chosen[prompts], rejected[prompts]])  # chosen first, then rejected
-                    output = forward(policy, query_responses[idx], pad)
-                    new_logprobs = response_logprobs(output.logits, responses[idx], context_length, args.temperature)
+                    logits = forward(policy, query_responses[idx], pad).logits
+                    new_logprobs = response_logprobs(logits, responses[idx], context_length, args.temperature)
                     new_logprobs = new_logprobs.masked_fill(padding_mask[idx], 0.0).sum(1)
                     new_logratios = new_logprobs - ref_logprobs[idx].sum(1)
                     chosen_logratios, rejected_logratios = new_logratios.chunk(2)
@@ -937,7 +1008,7 @@ if __name__ == "__main__":
                     policy.backward(loss)
                     policy.step()
                     with torch.no_grad():
-                        entropy = entropy_from_logits(output.logits[:, context_length - 1: -1] / args.temperature)
+                        entropy = entropy_from_logits(logits[:, context_length - 1: -1] / args.temperature)
                         stats["loss"].append(loss)
                         stats["chosen_logps"].append(new_logprobs.chunk(2)[0].mean())
                         stats["rejected_logps"].append(new_logprobs.chunk(2)[1].mean())
@@ -950,7 +1021,7 @@ if __name__ == "__main__":
         t3 = time.time()
 
         # 5. Hand the new weights to vLLM, if a later batch is to be generated by them.
-        if update + 1 + lag <= args.num_updates:
+        if generating_version(args.num_updates, start_update, off_policy_steps) >= update:
             save_for_vllm(policy, os.path.join(weights_dir, f"policy-{update}"))
             if rank == 0:
                 generator.publish(update, os.path.join(weights_dir, f"policy-{update}"))
@@ -978,13 +1049,13 @@ if __name__ == "__main__":
             "rewards/accuracies": mean["accuracy"],
             "val/num_eos_tokens": (responses == stop_id).sum().item() * args.world_size,
             "val/response_length": (~padding_mask).sum(1).float().mean().item(),
-            "async/staleness": update - 1 - version,
-            "time/generation": generation_time,
+            "async/off_policy_steps": update - 1 - batch.version,
+            "time/generation": batch.generation_time,
             "time/generation_wait": t1 - t0,
             "time/scoring": t2 - t1,
             "time/training": t3 - t2,
-            "time/weight_sync": t4 - t3,
-            "time/weight_reload": reload_time,
+            "time/weight_save": t4 - t3,
+            "time/weight_load": batch.load_time,
         }, device)
         metrics.update({"lr": policy.get_lr()[0], "episode": episode,
                         "time/episodes_per_second": (episode - start_episode) / (time.time() - start_time)})
@@ -996,7 +1067,7 @@ if __name__ == "__main__":
                 tqdm.write(f"update {update}: " + ", ".join(f"{k} {v:.3f}" for k, v in eval_metrics.items()))
                 for query, response, score in samples[:2]:
                     tqdm.write(f"  {query!r} -> {response!r} (score {score})")
-        log(update, metrics, samples)
+        run_log.log(update, metrics, samples)
         progress.set_postfix(score=f"{metrics['objective/scores']:.3f}", kl=f"{metrics['objective/kl']:.2f}",
                              eps=f"{metrics['time/episodes_per_second']:.0f}")
         if (args.save_every and update % args.save_every == 0) or update == args.num_updates:
@@ -1005,7 +1076,6 @@ if __name__ == "__main__":
     progress.close()
     if rank == 0:
         generator.close()
-    if rank == 0 and args.track:
-        wandb.finish()
+    run_log.close()
     dist.barrier()
     dist.destroy_process_group()

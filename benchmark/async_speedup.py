@@ -39,7 +39,7 @@ def run(mode_arguments, total_episodes, extra, output_dir):
         "process seconds": process_seconds,
         "episodes/s": last["time/episodes_per_second"],
         "learner idle": sum(row["time/generation_wait"] for row in updates) / loop_seconds,
-        "staleness": sum(row["async/staleness"] for row in updates) / len(updates),
+        "off-policy steps": sum(row["async/off_policy_steps"] for row in updates) / len(updates),
         "proxy score": last["eval/scores"],
         "gold score": last["eval/gold_scores"],
         "start proxy": rows[0]["eval/scores"],
@@ -59,7 +59,7 @@ def main():
             print(f"running {name} ...", flush=True)
             results[name] = run(mode, options.total_episodes, extra, os.path.join(tmp, name))
 
-    columns = ["loop seconds", "process seconds", "episodes/s", "learner idle", "staleness", "start proxy",
+    columns = ["loop seconds", "process seconds", "episodes/s", "learner idle", "off-policy steps", "start proxy",
                "proxy score", "start gold", "gold score"]
     print(f"\nonline_dpo_vllm.py, {options.total_episodes} episodes, async K = {options.off_policy_steps}"
           f"{' ' + ' '.join(extra) if extra else ''}")

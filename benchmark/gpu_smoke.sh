@@ -5,11 +5,11 @@
 #   pip install -r requirements.txt && bash benchmark/gpu_smoke.sh      # needs 1 GPU; 2 and 3 GPUs add checks
 #
 # 1 GPU:  each script alone (rloo, online_dpo, bok, ppo: HF generation; online_dpo_vllm: vLLM colocated on
-#         the training GPU with the memory share it chose), finite metrics, staleness 0,1,1,1; evaluate.py
+#         the training GPU with the memory share it chose), finite metrics, off-policy steps 0,1,1,1; evaluate.py
 #         with vLLM. This is where NCCL meets CPU tensors (gloo beside it), bf16, and vLLM's memory check.
 # 2 GPUs: rloo.py and ppo.py under ZeRO-3 (collectives on NCCL, parameters gathered per module).
 # 3 GPUs: deepspeed --num_gpus 2 online_dpo_vllm.py with ZeRO-3: vLLM on GPU 2 (read from nvidia-smi while it
-#         runs), staleness K = 2, weights gathered and handed over every update.
+#         runs), K = 2 off-policy steps, weights gathered and handed over every update.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-$(mktemp -d)}/gpu_smoke
@@ -21,18 +21,18 @@ check() {  # check <name> <command...>: PASS when the command succeeds
   if "$@" >"$out/$name.log" 2>&1; then echo "PASS $name"; passed=$((passed + 1))
   else echo "FAIL $name (log: $out/$name.log)"; tail -n 5 "$out/$name.log" | sed 's/^/    /'; failed=$((failed + 1)); fi
 }
-metrics_ok() {  # metrics_ok <run output dir> <updates> [staleness...]: finite metrics, every update, staleness as given
+metrics_ok() {  # metrics_ok <run output dir> <updates> [off-policy steps...]: finite metrics, every update, async/off_policy_steps as given
   python - "$@" <<'EOF'
 import glob, json, math, sys
-out, updates, staleness = sys.argv[1], int(sys.argv[2]), [int(s) for s in sys.argv[3:]]
+out, updates, steps = sys.argv[1], int(sys.argv[2]), [int(s) for s in sys.argv[3:]]
 (path,) = glob.glob(f"{out}/*__*/metrics.jsonl")
 rows = [json.loads(line) for line in open(path)]
 assert [r["update"] for r in rows] == list(range(updates + 1)), [r["update"] for r in rows]
 bad = [(r["update"], k, v) for r in rows for k, v in r.items() if not math.isfinite(v)]
 assert not bad, bad
 assert "eval/gold_scores" in rows[-1]
-if staleness:
-    assert [r["async/staleness"] for r in rows[1:]] == staleness, [r["async/staleness"] for r in rows[1:]]
+if steps:
+    assert [r["async/off_policy_steps"] for r in rows[1:]] == steps, [r["async/off_policy_steps"] for r in rows[1:]]
 print(json.dumps(rows[-1]))
 EOF
 }

@@ -13,9 +13,9 @@ def test_throughput_quick_mode_prints_episodes_per_second_and_phases_of_every_sc
     rows = {line.split()[0]: line.split()[1:] for line in output.splitlines() if line.split()[:1] in [[s] for s in SCRIPTS]}
     assert sorted(rows) == sorted(SCRIPTS), output
     for script, cells in rows.items():
-        eps_min, eps_median, generation, wait, scoring, training, weight_sync, train_gflops = map(float, cells[:8])
+        eps_min, eps_median, generation, wait, scoring, training, weight_save, train_gflops = map(float, cells[:8])
         assert 0 < eps_min <= eps_median and cells[8].endswith("%"), (script, cells)
         assert generation > 0 and scoring > 0 and training > 0 and train_gflops > 0, (script, cells)
         # Only the asynchronous script waits for batches and hands weights over.
-        assert (weight_sync > 0) == (script == "online_dpo_vllm.py"), (script, cells)
+        assert (weight_save > 0) == (script == "online_dpo_vllm.py"), (script, cells)
     assert not any(line.startswith("trl") for line in output.splitlines())  # TRL is not installed by CI

@@ -1,5 +1,5 @@
 """online_dpo_vllm.py's own parts: weights handed to vLLM, generator failure. (Its runs, learning,
-resume, staleness under DeepSpeed and bad input are in test_scripts_run.py with the other scripts.)"""
+resume, off-policy steps under DeepSpeed and bad input are in test_scripts_run.py with the other scripts.)"""
 
 import functools
 import os

@@ -28,8 +28,8 @@ ALGORITHM_METRICS = {
     "rloo.py": ["objective/non_score_reward", "objective/rlhf_reward", "policy/approxkl_avg", "policy/clipfrac_avg",
                 "val/ratio", "val/ratio_var"],
     "online_dpo.py": DPO_METRICS,
-    "online_dpo_vllm.py": DPO_METRICS + ["async/staleness", "time/generation_wait", "time/weight_sync",
-                                         "time/weight_reload"],
+    "online_dpo_vllm.py": DPO_METRICS + ["async/off_policy_steps", "time/generation_wait", "time/weight_save",
+                                         "time/weight_load"],
     "bok.py": ["objective/scores_best", "logps/chosen"],
     "ppo.py": ["objective/non_score_reward", "objective/rlhf_reward", "loss/value_avg", "policy/approxkl_avg",
                "policy/clipfrac_avg", "val/clipfrac_avg", "val/ratio", "val/ratio_var", "val/explained_variance"],
@@ -85,8 +85,8 @@ def test_default_run_logs_finite_metrics_and_saves_a_loadable_checkpoint(tmp_pat
     if script == "bok.py":
         assert first["objective/scores_best"] > first["objective/scores"]
     if script == "online_dpo_vllm.py":  # the first batch comes from the SFT policy, later ones one update late
-        assert [row["async/staleness"] for row in rows[1:]] == [0, 1, 1, 1]
-        assert all(row["time/weight_sync"] > 0 for row in rows[1:3])
+        assert [row["async/off_policy_steps"] for row in rows[1:]] == [0, 1, 1, 1]
+        assert all(row["time/weight_save"] > 0 for row in rows[1:3])
     if script == "ppo.py":  # whitened advantages and a ratio of one: the surrogate is exactly zero
         assert abs(first["loss/policy_avg"]) < 1e-5 and first["loss/value_avg"] > 0
 
@@ -164,7 +164,7 @@ def test_resume_after_a_kill_reproduces_the_uninterrupted_run(tmp_path, command)
     resumed = read_metrics(run_dir)
     assert [row["update"] for row in resumed] == list(range(7))
     if "--sync" in command:
-        assert all(row["async/staleness"] == 0 for row in resumed[1:])
+        assert all(row["async/off_policy_steps"] == 0 for row in resumed[1:])
     expected, got = algorithm_metrics(whole), algorithm_metrics(resumed)
     for a, b in zip(expected, got):
         assert a.keys() == b.keys()
@@ -207,7 +207,7 @@ def test_two_process_deepspeed_zero2_and_zero3_train_the_same_model(tmp_path, sc
         assert [row["update"] for row in rows] == list(range(updates + 1)) and rows[-1]["episode"] == 64 * updates
         assert abs(rows[1]["objective/kl"]) < 1e-6
         if script == "online_dpo_vllm.py":
-            assert [row["async/staleness"] for row in rows[1:]] == [0, 1, 2, 2, 2]
+            assert [row["async/off_policy_steps"] for row in rows[1:]] == [0, 1, 2, 2, 2]
         model = AutoModelForCausalLM.from_pretrained(os.path.join(run_dir_of(out), f"checkpoint-{updates}"))
         runs[stage] = rows, dict(model.named_parameters())
     # Same weights, seeds and data: partitioning the parameters (ZeRO-3) changes nothing but
