@@ -703,7 +703,7 @@ if __name__ == "__main__":
 
         # 4. DPO updates over mini-batches of the prompts; each micro-batch holds whole prompts.
         stats = {name: [] for name in ("loss", "chosen_logps", "rejected_logps", "chosen_rewards", "rejected_rewards",
-                                       "accuracy", "entropy", "kl", "logps")}
+                                       "accuracy", "entropy", "kl", "logps", "scores")}
         num_prompts = args.local_batch_size // args.k
         mini_batch_prompts = num_prompts // args.num_mini_batches
         micro_batch_prompts = args.per_device_train_batch_size // args.k
@@ -730,8 +730,9 @@ if __name__ == "__main__":
                         stats["rejected_rewards"].append(args.beta * rejected_logratios.mean())
                         stats["accuracy"].append((chosen_logratios > rejected_logratios).float().mean())
                         stats["entropy"].append(masked_mean(entropy, ~padding_mask[idx]))
-                        stats["kl"].append(new_logratios.mean())  # KL of the trained responses (all, when k = 2)
+                        stats["kl"].append(new_logratios.mean())
                         stats["logps"].append(new_logprobs.mean())
+                        stats["scores"].append(scores[idx].mean())
         t3 = time.time()
 
         # 5. Log, evaluate, save.
@@ -742,10 +743,13 @@ if __name__ == "__main__":
             "objective/scores": scores.mean().item(),
             "objective/raw_scores": raw_scores.mean().item(),
             "objective/scores_margin": (scores[chosen] - scores[rejected]).mean().item(),
-            "objective/kl": mean["kl"],
-            "objective/non_score_reward": -args.beta * mean["kl"],
-            "objective/rlhf_reward": scores.mean().item() - args.beta * mean["kl"],
-            "objective/entropy": -mean["logps"],
+            # pairs/*: the chosen and rejected responses (every response when k = 2 and no scores tie), as the
+            # training forward sees them: under the policy being trained, not (off-policy) the one that sampled them.
+            "pairs/scores": mean["scores"],
+            "pairs/kl": mean["kl"],
+            "pairs/non_score_reward": -args.beta * mean["kl"],
+            "pairs/rlhf_reward": mean["scores"] - args.beta * mean["kl"],
+            "pairs/entropy": -mean["logps"],
             "policy/entropy_avg": mean["entropy"],
             "loss/policy_avg": mean["loss"],
             "logps/chosen": mean["chosen_logps"],
@@ -771,7 +775,7 @@ if __name__ == "__main__":
                 for query, response, score in samples[:2]:
                     tqdm.write(f"  {query!r} -> {response!r} (score {score})")
         run_log.log(update, metrics, samples)
-        progress.set_postfix(score=f"{metrics['objective/scores']:.3f}", kl=f"{metrics['objective/kl']:.2f}",
+        progress.set_postfix(score=f"{metrics['objective/scores']:.3f}", kl=f"{metrics['pairs/kl']:.2f}",
                              eps=f"{metrics['time/episodes_per_second']:.0f}")
         if (args.save_every and update % args.save_every == 0) or update == args.num_updates:
             save_checkpoint(args, run_dir, update, episode, {"policy": policy}, tokenizer)

@@ -18,20 +18,23 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 
 SCRIPTS = ["rloo.py", "online_dpo.py", "bok.py", "ppo.py", "online_dpo_vllm.py"]
 COMMON_METRICS = [
-    "objective/scores", "objective/raw_scores", "objective/kl", "objective/entropy", "policy/entropy_avg",
+    "objective/scores", "objective/raw_scores", "policy/entropy_avg",
     "loss/policy_avg", "val/num_eos_tokens", "val/response_length", "lr", "episode", "time/episodes_per_second", "time/generation",
     "time/scoring", "time/training",
 ]
-DPO_METRICS = ["objective/non_score_reward", "objective/rlhf_reward", "objective/scores_margin", "logps/chosen",
+DPO_METRICS = ["pairs/scores", "pairs/kl", "pairs/entropy", "pairs/non_score_reward", "pairs/rlhf_reward",
+               "objective/scores_margin", "logps/chosen",
                "logps/rejected", "rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies"]
 ALGORITHM_METRICS = {
-    "rloo.py": ["objective/non_score_reward", "objective/rlhf_reward", "policy/approxkl_avg", "policy/clipfrac_avg",
+    "rloo.py": ["objective/kl", "objective/entropy", "objective/non_score_reward", "objective/rlhf_reward",
+                "policy/approxkl_avg", "policy/clipfrac_avg",
                 "val/ratio", "val/ratio_var"],
     "online_dpo.py": DPO_METRICS,
     "online_dpo_vllm.py": DPO_METRICS + ["async/off_policy_steps", "time/generation_wait", "time/weight_save",
                                          "time/weight_load"],
-    "bok.py": ["objective/scores_best", "logps/chosen"],
-    "ppo.py": ["objective/non_score_reward", "objective/rlhf_reward", "loss/value_avg", "policy/approxkl_avg",
+    "bok.py": ["objective/kl", "objective/entropy", "objective/scores_best", "logps/chosen"],
+    "ppo.py": ["objective/kl", "objective/entropy", "objective/non_score_reward", "objective/rlhf_reward",
+               "loss/value_avg", "policy/approxkl_avg",
                "policy/clipfrac_avg", "val/clipfrac_avg", "val/ratio", "val/ratio_var", "val/explained_variance"],
 }
 DEEPSPEED = os.path.join(os.path.dirname(sys.executable), "deepspeed")
@@ -73,12 +76,15 @@ def test_default_run_logs_finite_metrics_and_saves_a_loadable_checkpoint(tmp_pat
         assert key in rows[2], key
     first = rows[1]
     assert first["episode"] == 64 and rows[-1]["episode"] == 256
-    assert abs(first["objective/kl"]) < 1e-6  # before the first update the policy is the reference
+    kl = "pairs/" if script.startswith("online_dpo") else "objective/"  # DPO: the KL of the trained pairs
+    assert abs(first[kl + "kl"]) < 1e-6  # before the first update the policy is the reference
     if script in ("rloo.py", "ppo.py"):
         assert abs(first["val/ratio"] - 1) < 1e-5  # one update per batch: the ratio is exactly one
     if script != "bok.py":
-        assert first["objective/rlhf_reward"] == pytest.approx(first["objective/scores"]
-                                                               + first["objective/non_score_reward"])
+        scores = "pairs/scores" if script.startswith("online_dpo") else "objective/scores"
+        assert first[kl + "rlhf_reward"] == pytest.approx(first[scores] + first[kl + "non_score_reward"])
+    if script.startswith("online_dpo"):  # k = 2 and scores rarely tie: the pairs are nearly all responses
+        assert first["pairs/scores"] == pytest.approx(first["objective/scores"], abs=0.1)
     if script.startswith("online_dpo"):  # one micro-batch, taken before the step: every log-ratio is zero
         assert first["loss/policy_avg"] == pytest.approx(math.log(2), abs=1e-4)
         assert abs(first["rewards/margins"]) < 1e-4 and first["objective/scores_margin"] > 0
@@ -205,7 +211,7 @@ def test_two_process_deepspeed_zero2_and_zero3_train_the_same_model(tmp_path, sc
         rows = read_metrics(run_dir_of(out))
         assert_finite(rows)
         assert [row["update"] for row in rows] == list(range(updates + 1)) and rows[-1]["episode"] == 64 * updates
-        assert abs(rows[1]["objective/kl"]) < 1e-6
+        assert abs(rows[1]["pairs/kl" if script == "online_dpo_vllm.py" else "objective/kl"]) < 1e-6
         if script == "online_dpo_vllm.py":
             assert [row["async/off_policy_steps"] for row in rows[1:]] == [0, 1, 2, 2, 2]
         model = AutoModelForCausalLM.from_pretrained(os.path.join(run_dir_of(out), f"checkpoint-{updates}"))
@@ -215,7 +221,7 @@ def test_two_process_deepspeed_zero2_and_zero3_train_the_same_model(tmp_path, sc
     (rows2, weights2), (rows3, weights3) = runs[2], runs[3]
     for a, b in zip(rows2, rows3):
         for key in a:
-            if key.startswith(("objective/", "eval/", "loss/", "logps/")):
+            if key.startswith(("objective/", "pairs/", "eval/", "loss/", "logps/")):
                 assert b[key] == pytest.approx(a[key], rel=1e-3, abs=1e-4), (a["update"], key)
     # The checkpoints hold full, trained weights (ZeRO-3 gathers its shards to save them), the same in both.
     sft = dict(AutoModelForCausalLM.from_pretrained(os.path.join(TINY, "sft")).named_parameters())

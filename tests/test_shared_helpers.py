@@ -9,6 +9,8 @@ same meaning (docstring). evaluate.py shares the generation and scoring helpers.
 import ast
 import itertools
 import os
+import subprocess
+import sys
 
 import pytest
 from conftest import ROOT
@@ -17,7 +19,11 @@ ALGORITHMS = ["rloo.py", "online_dpo.py", "bok.py", "ppo.py", "online_dpo_vllm.p
 SCRIPTS = ALGORITHMS + ["evaluate.py"]
 MEANT_TO_DIFFER = {"validate", "Args"}
 CORE = {"load_prompts", "left_pad", "generate", "truncate_response", "response_logprobs", "reward_scores",
-        "apply_missing_eos_penalty", "evaluate", "save_checkpoint", "load_checkpoint", "ds_config"}
+        "apply_missing_eos_penalty", "evaluate", "save_checkpoint", "load_checkpoint", "ds_config", "mean_over_ranks",
+        "process_group_backend", "init_distributed", "gathered_state_dict", "set_up_distributed", "load_data",
+        "run_directory", "load_model", "training_engine", "frozen_engine", "RunLog"}
+BANNERS = ["# The algorithm: the only functions that differ", "# Plumbing, identical in every script"]
+VLLM_BANNER = "# Asynchronous generation, identical in every *_vllm.py"
 
 
 def top_level_definitions(script):
@@ -54,3 +60,34 @@ def test_arguments_with_the_same_name_have_the_same_meaning(first, second):
     assert len(a.keys() & b.keys()) > 30
     differ = sorted(name for name in a.keys() & b.keys() if a[name] != b[name])
     assert not differ, f"{first} and {second} document these arguments differently: {differ}"
+
+
+@pytest.mark.parametrize("script", ALGORITHMS)
+def test_each_script_shows_its_algorithm_first_and_labels_the_plumbing(script):
+    """Args, validate, then the algorithm's own functions (before line 300), then the plumbing that every
+    script shares, then (in *_vllm.py) the asynchronous generation, then the main block."""
+    with open(os.path.join(ROOT, script)) as f:
+        lines = f.read().splitlines()
+    at = {banner: next(i for i, line in enumerate(lines) if line.startswith(banner)) for banner in BANNERS}
+    algorithm, plumbing = at[BANNERS[0]], at[BANNERS[1]]
+    main = lines.index('if __name__ == "__main__":')
+    vllm = next((i for i, line in enumerate(lines) if line.startswith(VLLM_BANNER)), None)
+    assert (vllm is not None) == script.endswith("_vllm.py")
+    definitions = top_level_definitions(script)
+    line_of = {name: node.lineno - 1 for name, (node, _) in definitions.items()}
+    assert line_of["Args"] < line_of["validate"] < algorithm < plumbing < (vllm or main) <= main
+    assert algorithm < 300, f"the algorithm starts at line {algorithm + 1}"
+    others = [top_level_definitions(s) for s in ALGORITHMS if s != script]
+    for name, line in line_of.items():
+        shared = [other[name][1] == definitions[name][1] for other in others if name in other]
+        everywhere = len(shared) == len(others) and all(shared)
+        if algorithm < line < plumbing:  # the algorithm's own (online DPO's are in two scripts)
+            assert not everywhere, f"{name} is the same in every script: it is plumbing"
+        elif plumbing < line < (vllm or main):
+            assert everywhere, f"{name} is not the same in every script: it is not plumbing"
+
+
+def test_no_unused_import_or_variable():
+    result = subprocess.run([sys.executable, "-m", "pyflakes", *SCRIPTS, "tests", "benchmark", "assets"], cwd=ROOT,
+                            capture_output=True, text=True)
+    assert result.returncode == 0 and not result.stdout, result.stdout
