@@ -15,6 +15,10 @@ TINY = os.path.join(ROOT, "assets", "tiny")
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "assets"))
 
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: runs a script, a vLLM engine or a build (deselect with -m 'not slow')")
+
+
 # Keys whose values depend on the wall clock, not on the algorithm.
 TIMING_KEYS = ("time/",)
 

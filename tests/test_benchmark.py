@@ -3,7 +3,10 @@ workload and prints a row of figures for each. No timing is asserted: CI machine
 
 import sys
 
+import pytest
 from conftest import run
+
+pytestmark = pytest.mark.slow  # runs scripts or vLLM engines: minutes
 
 SCRIPTS = ["rloo.py", "online_dpo.py", "bok.py", "ppo.py", "online_dpo_vllm.py"]
 

@@ -8,6 +8,8 @@ import torch
 from conftest import TINY, assert_bad_input, run_dir_of, run_script
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
+pytestmark = pytest.mark.slow  # runs scripts or vLLM engines: minutes
+
 
 @pytest.fixture(scope="module")
 def trained_run(tmp_path_factory):

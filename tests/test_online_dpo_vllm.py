@@ -18,6 +18,8 @@ from vllm.inputs import TokensPrompt
 
 import online_dpo_vllm as script
 
+pytestmark = pytest.mark.slow  # runs scripts or vLLM engines: minutes
+
 # Longer than one KV block (32 tokens here, see below) and sharing their first block: vLLM's prefix
 # cache then holds keys and values of that block, which a weight push must not leave behind.
 SHARED = "SUBREDDIT: r/travel\nPOST: " + " ".join(["today we went to the beach and it was big and new"] * 3)

@@ -16,6 +16,8 @@ from conftest import (ROOT, TINY, algorithm_metrics, assert_bad_input, assert_fi
                       run_dir_of, run_script)
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
+pytestmark = pytest.mark.slow  # runs scripts or vLLM engines: minutes
+
 SCRIPTS = ["rloo.py", "online_dpo.py", "bok.py", "ppo.py", "online_dpo_vllm.py"]
 COMMON_METRICS = [
     "objective/scores", "objective/raw_scores", "policy/entropy_avg",

@@ -4,6 +4,7 @@ import json
 import os
 import random
 
+import pytest
 from conftest import TINY, run_script
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
@@ -68,6 +69,7 @@ def test_gold_reward_model_ranks_responses_like_the_gold_function():
     assert scores.tolist() == sorted(scores.tolist(), reverse=True), scores
 
 
+@pytest.mark.slow
 def test_quick_rebuild(tmp_path):
     out = tmp_path / "tiny"
     run_script("assets/make_tiny.py", "--quick", "--out", str(out), timeout=300)

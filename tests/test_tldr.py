@@ -6,7 +6,6 @@ import itertools
 import shlex
 
 import pytest
-import torch
 import tyro
 from conftest import run
 
@@ -83,12 +82,3 @@ def test_tldr_refuses_what_it_cannot_run():
     for arguments in (["rloo", "1b", "async"], ["online_dpo", "7b", "async"], ["online_dpo", "1b", "fast"]):
         result = run(["bash", "benchmark/tldr.sh", "--print", *arguments], check=False)
         assert result.returncode == 2 and result.stderr.startswith("error:"), arguments
-
-
-def test_missing_eos_penalty_adds_or_replaces():
-    scores = torch.tensor([0.5, 2.0, -3.0])
-    responses = torch.tensor([[5, 0, 1], [5, 6, 7], [0, 1, 1]])  # stop token 0: the second has none
-    added = rloo.apply_missing_eos_penalty(scores, responses, 0, -1.0, "add")
-    replaced = rloo.apply_missing_eos_penalty(scores, responses, 0, -1.0, "replace")
-    assert added.tolist() == [0.5, 1.0, -3.0]  # TRL: 2.0 - 1
-    assert replaced.tolist() == [0.5, -1.0, -3.0]  # the paper's code: the score becomes -1

@@ -1,11 +1,14 @@
-"""What only a GPU run would show, tested on the CPU through the same logic: process-group backends,
-vLLM's GPU and memory share, the weight hand-off's memory, bf16 and the DeepSpeed configs.
-(The prefix-cache reset is in test_online_dpo_vllm.py, the gold model's other tokenizer in
-test_evaluate.py; what no CPU can check is in benchmark/gpu_smoke.sh.)"""
+"""The plumbing that every script shares (a copy in each, kept identical by test_shared_helpers.py), tested
+once here: truncation, log-probabilities, the missing-EOS penalty, prompt batches, the decoding loop against HF
+`generate`, and what a GPU run depends on, through the same logic on the CPU: process-group backends, vLLM's
+GPU and memory share, the weight hand-off's memory, bf16 and the DeepSpeed configs. (The prefix-cache reset
+is in test_online_dpo_vllm.py, the gold model's other tokenizer in test_evaluate.py; what no CPU can check
+is in benchmark/gpu_smoke.sh.)"""
 
 import glob
 import importlib.util
 import json
+import math
 import os
 import socket
 
@@ -15,9 +18,113 @@ import torch
 import torch.distributed as dist
 from conftest import ROOT, TINY
 from deepspeed.runtime.config import DeepSpeedConfig
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
-import online_dpo_vllm as script
+import online_dpo_vllm
+import rloo
+
+STOP, PAD = 0, 1
+
+
+def test_truncate_response_pads_after_the_first_stop_token_and_from_the_first_pad():
+    responses = torch.tensor([
+        [5, 3, STOP, 7, STOP],  # text after the stop token becomes padding; the stop token stays
+        [5, 6, 7, 8, 9],  # no stop token: unchanged
+        [STOP, 4, 4, 4, 4],  # an empty response
+        [5, PAD, 6, 7, 8],  # a sampled pad token ends the response
+    ])
+    assert rloo.truncate_response(responses, STOP, PAD).tolist() == [
+        [5, 3, STOP, PAD, PAD],
+        [5, 6, 7, 8, 9],
+        [STOP, PAD, PAD, PAD, PAD],
+        [5, PAD, PAD, PAD, PAD],
+    ]
+
+
+def test_logprobs_use_logits_divided_by_the_temperature():
+    # Query of 2 tokens, response of 2 tokens, vocabulary of 3: positions 1 and 2 predict the response.
+    logits = torch.zeros(1, 4, 3)
+    logits[0, 1] = torch.tensor([2.0, 0.0, 0.0])
+    logits[0, 2] = torch.tensor([0.0, 4.0, 2.0])
+    logprobs = rloo.response_logprobs(logits, torch.tensor([[0, 2]]), context_length=2, temperature=2.0)
+    # Scaled logits [1, 0, 0] and [0, 2, 1]: log p = x_i - log(sum exp x).
+    expected = [1 - math.log(math.e + 2), 1 - math.log(1 + math.e ** 2 + math.e)]
+    assert torch.allclose(logprobs, torch.tensor([expected]), atol=1e-6)
+
+
+def test_entropy_from_logits():
+    assert math.isclose(rloo.entropy_from_logits(torch.zeros(5)).item(), math.log(5), rel_tol=1e-6)
+    p = torch.tensor([0.25, 0.75])
+    assert math.isclose(rloo.entropy_from_logits(p.log()).item(), -(p * p.log()).sum().item(), rel_tol=1e-6)
+
+
+def test_masked_mean_ignores_padding():
+    values = torch.tensor([[1.0, 2.0, 100.0], [3.0, 100.0, 100.0]])
+    mask = torch.tensor([[True, True, False], [True, False, False]])
+    assert rloo.masked_mean(values, mask).item() == 2.0
+
+
+def test_prompt_batches_cover_an_epoch_without_repeats_and_split_between_ranks():
+    seen = []
+    for update in range(3):  # 3 batches of 2 ranks x 2 prompts = 12 of 13 prompts
+        shares = [rloo.prompt_batch(13, 2, update, seed=7, rank=r, world_size=2) for r in range(2)]
+        assert all(len(s) == 2 for s in shares)
+        seen += shares[0] + shares[1]
+    assert len(set(seen)) == 12
+    next_epoch = rloo.prompt_batch(13, 2, 3, seed=7, rank=0, world_size=2)
+    assert next_epoch == rloo.prompt_batch(13, 2, 3, seed=7, rank=0, world_size=2)  # deterministic
+    assert rloo.prompt_batch(13, 2, 0, seed=8, rank=0, world_size=2) != rloo.prompt_batch(13, 2, 0, 7, 0, 2)
+
+
+def test_missing_eos_penalty_is_added_only_without_a_stop_token():
+    responses = torch.tensor([[5, STOP, PAD], [5, 6, 7], [STOP, PAD, PAD]])
+    scores = rloo.apply_missing_eos_penalty(torch.tensor([1.0, 2.0, -0.5]), responses, STOP, -1.0, "add")
+    assert scores.tolist() == [1.0, 1.0, -0.5]
+
+
+def test_missing_eos_penalty_adds_or_replaces():
+    scores = torch.tensor([0.5, 2.0, -3.0])
+    responses = torch.tensor([[5, 0, 1], [5, 6, 7], [0, 1, 1]])  # stop token 0: the second has none
+    added = rloo.apply_missing_eos_penalty(scores, responses, 0, -1.0, "add")
+    replaced = rloo.apply_missing_eos_penalty(scores, responses, 0, -1.0, "replace")
+    assert added.tolist() == [0.5, 1.0, -3.0]  # TRL: 2.0 - 1
+    assert replaced.tolist() == [0.5, -1.0, -3.0]  # the paper's code: the score becomes -1
+
+
+def tiny_policy():
+    """The tiny task's SFT policy (GPT-NeoX) on 8 real prompts of different lengths; it stops at EOS."""
+    tokenizer = rloo.load_tokenizer(os.path.join(TINY, "sft"), trust_remote_code=False)
+    model = AutoModelForCausalLM.from_pretrained(os.path.join(TINY, "sft")).eval()
+    with open(os.path.join(TINY, "data", "test.jsonl")) as f:
+        prompts = [json.loads(line)["query"] for line in f][:8]
+    ids = [tokenizer(p, add_special_tokens=False)["input_ids"][-10 - i:] for i, p in enumerate(prompts)]
+    return model, rloo.left_pad(ids, tokenizer.pad_token_id, "cpu"), tokenizer.pad_token_id, tokenizer.eos_token_id
+
+
+def random_llama():
+    """A random Llama with a vocabulary of 12, so that its stop token (3) comes early in some responses."""
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=12, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                         num_attention_heads=2, max_position_embeddings=64)).eval()
+    queries = torch.randint(4, 12, (6, 7))
+    queries[:3, :2] = 0  # left padding
+    return model, queries, 0, 3
+
+
+@pytest.mark.parametrize("temperature", [0.7, None], ids=["sampled", "greedy"])
+@pytest.mark.parametrize("make", [tiny_policy, random_llama], ids=["gpt_neox", "llama"])
+def test_generate_gives_the_tokens_of_hf_generate(make, temperature):
+    model, queries, pad, stop = make()
+    sampling = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) if temperature else dict(do_sample=False)
+    for seed in range(3):
+        torch.manual_seed(seed)
+        ours = rloo.generate(model, queries, pad, stop, 24, temperature)
+        torch.manual_seed(seed)
+        theirs = model.generate(input_ids=queries, attention_mask=queries != pad, max_new_tokens=24,
+                                eos_token_id=stop, pad_token_id=pad, **sampling)[:, queries.shape[1]:]
+        assert torch.equal(ours, theirs)
+    if temperature or make is tiny_policy:  # some responses stop early: padding follows their stop token
+        assert (ours == stop).any(1).any() and (ours == pad).any()
 
 
 @pytest.fixture
@@ -45,13 +152,13 @@ def test_collectives_on_cpu_tensors_need_a_cpu_backend_beside_nccl(process_group
     # CUDA and none for the CPU, which fails on a CPU tensor exactly as NCCL does on a GPU machine.
     process_group("cuda:gloo")
     with pytest.raises(RuntimeError, match="No backend type associated with device type cpu"):
-        script.mean_over_ranks({"objective/scores": 1.5}, "cpu")
+        online_dpo_vllm.mean_over_ranks({"objective/scores": 1.5}, "cpu")
     # The scripts' backend on a GPU machine (gloo in NCCL's place, which this machine lacks) serves
     # both the collectives on the device and those on CPU objects (the run name, the vLLM batches).
-    assert script.process_group_backend(cuda=True) == "cpu:gloo,cuda:nccl"
-    assert script.process_group_backend(cuda=False) == "gloo"
-    process_group(script.process_group_backend(cuda=True).replace("nccl", "gloo"))
-    assert script.mean_over_ranks({"objective/scores": 1.5, "objective/kl": -2.0}, "cpu") == {
+    assert online_dpo_vllm.process_group_backend(cuda=True) == "cpu:gloo,cuda:nccl"
+    assert online_dpo_vllm.process_group_backend(cuda=False) == "gloo"
+    process_group(online_dpo_vllm.process_group_backend(cuda=True).replace("nccl", "gloo"))
+    assert online_dpo_vllm.mean_over_ranks({"objective/scores": 1.5, "objective/kl": -2.0}, "cpu") == {
         "objective/scores": 1.5, "objective/kl": -2.0}
     objects = [None]
     dist.broadcast_object_list(objects, src=0)
@@ -67,7 +174,6 @@ def test_every_script_initialises_through_the_same_backend_choice():
             assert '"nccl"' not in source.replace('"cpu:gloo,cuda:nccl"', ""), path
 
 
-# (environment, GPUs on the node, --vllm-gpu) -> (vLLM's CUDA_VISIBLE_DEVICES entry, shared rank-0 CUDA index)
 PLACEMENT = {
     # deepspeed --num_gpus 3 on 4 GPUs: the launcher shows the ranks only their 3 GPUs and sets LOCAL_SIZE.
     "deepspeed 3 of 4": ({"CUDA_VISIBLE_DEVICES": "0,1,2", "LOCAL_SIZE": "3", "LOCAL_RANK": "0"}, 4, None, ("3", None)),
@@ -95,20 +201,20 @@ PLACEMENT = {
 @pytest.mark.parametrize("case", PLACEMENT)
 def test_vllm_gpu_placement_over_the_launch_cases(case):
     env, num_gpus, vllm_gpu, expected = PLACEMENT[case]
-    assert script.vllm_gpu_placement(env, num_gpus, vllm_gpu) == expected
+    assert online_dpo_vllm.vllm_gpu_placement(env, num_gpus, vllm_gpu) == expected
     # CUDA_DEVICE_ORDER changes how CUDA numbers GPUs against NVML; the choice is in CUDA's own
     # entries and uses NVML only for the count, so it is the same under either order.
     for order in ("PCI_BUS_ID", "FASTEST_FIRST"):
-        assert script.vllm_gpu_placement({**env, "CUDA_DEVICE_ORDER": order}, num_gpus, vllm_gpu) == expected
+        assert online_dpo_vllm.vllm_gpu_placement({**env, "CUDA_DEVICE_ORDER": order}, num_gpus, vllm_gpu) == expected
 
 
 def test_vllm_memory_share_on_a_gpu_shared_with_training(capsys):
     gib = 2**30
-    assert script.vllm_memory_share(None, 60 * gib, 80 * gib, "0") == 0.37  # half of what is free, rounded down
-    assert script.vllm_memory_share(0.5, 60 * gib, 80 * gib, "0") == 0.5  # a share that fits is kept
+    assert online_dpo_vllm.vllm_memory_share(None, 60 * gib, 80 * gib, "0") == 0.37  # half of what is free, rounded down
+    assert online_dpo_vllm.vllm_memory_share(0.5, 60 * gib, 80 * gib, "0") == 0.5  # a share that fits is kept
     for requested, free in ((0.9, 60 * gib), (None, 1.5 * gib)):  # vLLM would refuse to start; we stop first
         with pytest.raises(SystemExit) as exit:
-            script.vllm_memory_share(requested, free, 80 * gib, "0")
+            online_dpo_vllm.vllm_memory_share(requested, free, 80 * gib, "0")
         assert exit.value.code == 2
         (line,) = capsys.readouterr().err.splitlines()
         assert line.startswith("error: --vllm-gpu-memory-utilization: GPU 0, shared with training, has")
@@ -117,24 +223,24 @@ def test_vllm_memory_share_on_a_gpu_shared_with_training(capsys):
 def test_handed_over_weights_fall_back_to_the_run_directory_when_memory_is_short(tmp_path, capsys):
     shm, run_dir = tmp_path / "shm", str(tmp_path / "run")
     shm.mkdir()
-    assert script.weights_root(run_dir, 10 * 2**20, shm=str(shm)) == str(shm)
+    assert online_dpo_vllm.weights_root(run_dir, 10 * 2**20, shm=str(shm)) == str(shm)
     assert capsys.readouterr().err == ""
-    assert script.weights_root(run_dir, 2**62, shm=str(shm)) == run_dir  # more than any disk holds
+    assert online_dpo_vllm.weights_root(run_dir, 2**62, shm=str(shm)) == run_dir  # more than any disk holds
     (line,) = capsys.readouterr().err.splitlines()
     assert line.startswith(f"warning: {shm} has no room for") and run_dir in line
-    assert script.weights_root(run_dir, 1, shm=str(tmp_path / "none")) == run_dir  # no /dev/shm at all
+    assert online_dpo_vllm.weights_root(run_dir, 1, shm=str(tmp_path / "none")) == run_dir  # no /dev/shm at all
 
 
 def test_zero3_weights_are_gathered_one_module_at_a_time(process_group, tmp_path, monkeypatch):
     process_group("gloo")
     config = {"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}, "gradient_clipping": 1.0}
     (tmp_path / "zero3.json").write_text(json.dumps(config))
-    args = script.Args(deepspeed_config=str(tmp_path / "zero3.json"), bf16=False)
+    args = online_dpo_vllm.Args(deepspeed_config=str(tmp_path / "zero3.json"), bf16=False)
     model = AutoModelForCausalLM.from_pretrained(os.path.join(TINY, "sft"))
     expected = {name: tensor.clone() for name, tensor in model.state_dict().items()}
     largest_module = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules())
     total = sum(p.numel() for p in model.parameters())
-    engine = deepspeed.initialize(model=model, config=script.ds_config(args, train=False))[0]
+    engine = deepspeed.initialize(model=model, config=online_dpo_vllm.ds_config(args, train=False))[0]
     assert all(p.numel() == 0 for p in engine.module.parameters())  # partitioned: nothing is whole
     gathered, original = [], deepspeed.zero.GatheredParameters
 
@@ -143,7 +249,7 @@ def test_zero3_weights_are_gathered_one_module_at_a_time(process_group, tmp_path
         return original(params, *a, **k)
 
     monkeypatch.setattr(deepspeed.zero, "GatheredParameters", recording)
-    state = script.gathered_state_dict(engine)
+    state = online_dpo_vllm.gathered_state_dict(engine)
     assert state.keys() == expected.keys()
     assert all(torch.equal(state[name], expected[name]) for name in expected)
     assert max(gathered) == largest_module < total / 3  # the embeddings, never the whole model
@@ -171,10 +277,10 @@ def test_every_deepspeed_config_is_valid_as_the_scripts_fill_it_in(config_file):
     with open(config_file) as f:
         zero = json.load(f)["zero_optimization"]
     for bf16 in (True, False):
-        args = script.Args(deepspeed_config=config_file, bf16=bf16, per_device_train_batch_size=16,
+        args = online_dpo_vllm.Args(deepspeed_config=config_file, bf16=bf16, per_device_train_batch_size=16,
                            gradient_accumulation_steps=4)
         for train in (True, False):
-            config = script.ds_config(args, train)
+            config = online_dpo_vllm.ds_config(args, train)
             parsed = DeepSpeedConfig(config)  # DeepSpeed's own parser and checks
             assert parsed.bfloat16_config.enabled is bf16
             assert parsed.train_micro_batch_size_per_gpu == 16
