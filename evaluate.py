@@ -100,10 +100,10 @@ def validate(args):
     if args.checkpoints is None:
         fail("checkpoints", "required: a run directory, a checkpoint or a model")
     check_model_path("checkpoints", args.checkpoints)
-    check_model_path("sft_model_path", args.sft_model_path)
+    check_model(args, "sft_model_path")
     if args.gold_reward_model_path is None:
         fail("gold_reward_model_path", "required: the win rate is measured with a gold reward model")
-    check_model_path("gold_reward_model_path", args.gold_reward_model_path)
+    check_model(args, "gold_reward_model_path", reward=True)
     for name in ("temperature", "kl_temperature"):
         if getattr(args, name) <= 0:
             fail(name, f"must be positive, got {getattr(args, name)}")
@@ -143,7 +143,10 @@ def load_eval_data(args, tokenizer, stop_id):
     """Tokenised prompts and reference responses (with the stop token appended) of the eval split."""
     if not os.path.exists(args.dataset_name) and args.dataset_name.count("/") != 1:
         fail("dataset_name", f"no such directory: {args.dataset_name}")
-    dataset = load_dataset(args.dataset_name)
+    try:
+        dataset = load_dataset(args.dataset_name)
+    except (OSError, ValueError) as error:  # an unreadable file, an empty split, ...
+        fail("dataset_name", f"cannot load {args.dataset_name}: {str(error).splitlines()[0]}")
     if args.dataset_eval_split not in dataset:
         fail("dataset_eval_split", f"dataset {args.dataset_name} has no split {args.dataset_eval_split!r} "
                                    f"(it has {sorted(dataset)})")
@@ -251,8 +254,30 @@ def fail(argument, message):
 
 def check_model_path(argument, path):
     looks_like_hub_id = path.count("/") == 1 and not path.startswith((".", "/", "~"))
+    if os.path.isfile(path):
+        fail(argument, f"{path} is a file, not a directory")
     if not os.path.isdir(path) and not looks_like_hub_id:
         fail(argument, f"no such directory: {path}")
+
+
+def check_model(args, argument, reward=False):
+    """A model argument, before anything loads: a directory (a hub id is checked when it loads) whose config
+    reads, that holds a tokenizer and, for a reward model, a sequence classifier (any other model would get
+    a score head of random weights)."""
+    path = getattr(args, argument)
+    check_model_path(argument, path)
+    if not os.path.isdir(path):
+        return
+    try:
+        config = AutoConfig.from_pretrained(path, trust_remote_code=args.trust_remote_code)
+    except (OSError, ValueError) as error:
+        fail(argument, f"cannot read the model's config in {path}: {str(error).splitlines()[0]}")
+    tokenizer_files = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+    if not any(os.path.isfile(os.path.join(path, name)) for name in tokenizer_files):
+        fail(argument, f"{path} has no tokenizer")
+    if reward and not any(name.endswith("ForSequenceClassification") for name in config.architectures or []):
+        fail(argument, f"{path} is not a reward model: its architectures are {config.architectures}, "
+                       "not a ...ForSequenceClassification")
 
 
 def load_tokenizer(path, trust_remote_code):

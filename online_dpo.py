@@ -18,6 +18,7 @@ online DPO is the method that paper finds most robust to it.
 
 import contextlib
 import json
+import math
 import os
 import shutil
 import socket
@@ -164,12 +165,12 @@ def validate(args):
         fail("total_episodes", f"must be at least one batch of {args.batch_size} responses")
     if not os.path.isfile(args.deepspeed_config):
         fail("deepspeed_config", f"no such file: {args.deepspeed_config}")
-    check_model_path("sft_model_path", args.sft_model_path)
-    check_model_path("reward_model_path", args.reward_model_path)
+    check_numbers(args)
+    check_model(args, "sft_model_path")
+    check_model(args, "reward_model_path", reward=True)
     if args.gold_reward_model_path is not None:
-        check_model_path("gold_reward_model_path", args.gold_reward_model_path)
-    if args.resume is not None and not os.path.isdir(args.resume):
-        fail("resume", f"no such directory: {args.resume}")
+        check_model(args, "gold_reward_model_path", reward=True)
+    check_resume(args)
     config = AutoConfig.from_pretrained(args.sft_model_path, trust_remote_code=args.trust_remote_code)
     positions = getattr(config, "max_position_embeddings", None)
     if positions is not None and args.max_prompt_length + args.response_length > positions:
@@ -218,15 +219,61 @@ def fail(argument, message):
 
 def check_model_path(argument, path):
     looks_like_hub_id = path.count("/") == 1 and not path.startswith((".", "/", "~"))
+    if os.path.isfile(path):
+        fail(argument, f"{path} is a file, not a directory")
     if not os.path.isdir(path) and not looks_like_hub_id:
         fail(argument, f"no such directory: {path}")
+
+
+def check_model(args, argument, reward=False):
+    """A model argument, before anything loads: a directory (a hub id is checked when it loads) whose config
+    reads, that holds a tokenizer and, for a reward model, a sequence classifier (any other model would get
+    a score head of random weights)."""
+    path = getattr(args, argument)
+    check_model_path(argument, path)
+    if not os.path.isdir(path):
+        return
+    try:
+        config = AutoConfig.from_pretrained(path, trust_remote_code=args.trust_remote_code)
+    except (OSError, ValueError) as error:
+        fail(argument, f"cannot read the model's config in {path}: {str(error).splitlines()[0]}")
+    tokenizer_files = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+    if not any(os.path.isfile(os.path.join(path, name)) for name in tokenizer_files):
+        fail(argument, f"{path} has no tokenizer")
+    if reward and not any(name.endswith("ForSequenceClassification") for name in config.architectures or []):
+        fail(argument, f"{path} is not a reward model: its architectures are {config.architectures}, "
+                       "not a ...ForSequenceClassification")
+
+
+def check_numbers(args):
+    """Every number argument is finite, and the learning rate is positive."""
+    for name, value in asdict(args).items():
+        if isinstance(value, float) and not math.isfinite(value):
+            fail(name, f"must be a finite number, got {value}")
+    if args.learning_rate <= 0:
+        fail("learning_rate", f"must be positive, got {args.learning_rate}")
+
+
+def check_resume(args):
+    """--resume names a run or checkpoint directory of this script."""
+    if args.resume is None:
+        return
+    if not os.path.isdir(args.resume):
+        fail("resume", f"no such directory: {args.resume}")
+    with open(os.path.join(latest_checkpoint(args.resume), "trainer_state.json")) as f:
+        script = json.load(f).get("script")
+    if script not in (None, os.path.basename(__file__)):
+        fail("resume", f"{args.resume} holds a checkpoint of {script}, not of {os.path.basename(__file__)}")
 
 
 def load_prompts(args, tokenizer):
     """Tokenised prompts of the train and eval splits (lists of token-id lists)."""
     if not os.path.exists(args.dataset_name) and args.dataset_name.count("/") != 1:
         fail("dataset_name", f"no such directory: {args.dataset_name}")
-    dataset = load_dataset(args.dataset_name)
+    try:
+        dataset = load_dataset(args.dataset_name)
+    except (OSError, ValueError) as error:  # an unreadable file, an empty split, ...
+        fail("dataset_name", f"cannot load {args.dataset_name}: {str(error).splitlines()[0]}")
     splits = {}
     for argument in ("dataset_train_split", "dataset_eval_split"):
         split = getattr(args, argument)
@@ -234,6 +281,8 @@ def load_prompts(args, tokenizer):
             fail(argument, f"dataset {args.dataset_name} has no split {split!r} (it has {sorted(dataset)})")
         if "query" not in dataset[split].column_names:
             fail("dataset_name", f"split {split!r} has no `query` column (it has {dataset[split].column_names})")
+        if len(dataset[split]) == 0:
+            fail(argument, f"split {split!r} of {args.dataset_name} is empty")
         ids = tokenizer(list(dataset[split]["query"]), add_special_tokens=False)["input_ids"]
         splits[argument] = [q[-args.max_prompt_length:] for q in ids]
     return splits["dataset_train_split"], splits["dataset_eval_split"]
@@ -437,7 +486,8 @@ def save_checkpoint(args, run_dir, update, episode, engines, tokenizer):
     if dist.get_rank() == 0:
         tokenizer.save_pretrained(tmp)
         with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
-            json.dump({"update": update, "episode": episode, "args": asdict(args)}, f, indent=1)
+            json.dump({"script": os.path.basename(__file__), "update": update, "episode": episode, "args": asdict(args)},
+                      f, indent=1)
     dist.barrier()
     if dist.get_rank() == 0:
         shutil.rmtree(final, ignore_errors=True)

@@ -4,6 +4,7 @@ import glob
 import math
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -232,11 +233,26 @@ def test_two_process_deepspeed_zero2_and_zero3_train_the_same_model(tmp_path, sc
     assert max((weights3[n] - weights2[n]).abs().max().item() for n in sft) < 1e-5
 
 
-def _dataset_without_query_column(tmp_path):
-    path = tmp_path / "bad_dataset"
-    path.mkdir()
-    for split in ("train", "test"):
-        (path / f"{split}.jsonl").write_text('{"prompt": "hello"}\n')
+def _bad_path(tmp_path, kind):
+    """A path that exists but holds the wrong thing, made under tmp_path/bad."""
+    path = tmp_path / "bad" / kind
+    path.mkdir(parents=True)
+    if kind in ("BAD_DATASET", "EMPTY_SPLIT"):  # no `query` column; an empty test split
+        for split in ("train", "test"):
+            (path / f"{split}.jsonl").write_text('{"prompt": "hello"}\n' if kind == "BAD_DATASET" else
+                                                 '{"query": "hello"}\n' * (split == "train"))
+    elif kind in ("CORRUPT_CONFIG", "NO_TOKENIZER"):
+        shutil.copytree(os.path.join(TINY, "sft"), path, dirs_exist_ok=True)
+        if kind == "CORRUPT_CONFIG":
+            (path / "config.json").write_text('{"model_type": "gpt_neox", ')
+        else:
+            for name in ("tokenizer.json", "tokenizer_config.json"):
+                (path / name).unlink()
+    elif kind == "A_FILE":
+        path = os.path.join(TINY, "sft", "config.json")
+    elif kind == "PPO_CHECKPOINT":  # a checkpoint written by another script
+        (path / "checkpoint-2").mkdir()
+        (path / "checkpoint-2" / "trainer_state.json").write_text('{"script": "ppo.py", "update": 2, "episode": 128}')
     return str(path)
 
 
@@ -255,6 +271,14 @@ BAD_INPUT = [  # (script, arguments, the argument the error must name)
         (["--dataset-eval-split", "validation"], "--dataset-eval-split"),
         (["--stop-token", "no such token"], "--stop-token"),
         (["--resume", "/nonexistent/run"], "--resume"),
+        (["--learning-rate", "-1e-5"], "--learning-rate"),
+        (["--temperature", "nan"], "--temperature"),
+        (["--sft-model-path", "CORRUPT_CONFIG"], "--sft-model-path"),
+        (["--sft-model-path", "A_FILE"], "--sft-model-path"),
+        (["--reward-model-path", "NO_TOKENIZER"], "--reward-model-path"),
+        (["--reward-model-path", "assets/tiny/sft"], "--reward-model-path"),  # a policy, not a reward model
+        (["--dataset-name", "EMPTY_SPLIT"], "--dataset-name"),
+        (["--resume", "PPO_CHECKPOINT"], "--resume"),
     ]],
     # The other scripts share every check but their own `validate` (test_shared_helpers.py).
     ("online_dpo.py", ["--k", "1"], "--k"),
@@ -279,9 +303,9 @@ BAD_INPUT = [  # (script, arguments, the argument the error must name)
 
 @pytest.mark.parametrize("script, arguments, argument", BAD_INPUT)
 def test_bad_input_exits_2_with_one_line_naming_the_argument(tmp_path, script, arguments, argument):
-    arguments = [_dataset_without_query_column(tmp_path) if a == "BAD_DATASET" else a for a in arguments]
+    arguments = [_bad_path(tmp_path, a) if a.isupper() else a for a in arguments]
     assert_bad_input(script, [*arguments, "--output-dir", str(tmp_path)], argument)
-    assert not os.listdir(tmp_path) or os.listdir(tmp_path) == ["bad_dataset"]  # nothing was run
+    assert set(os.listdir(tmp_path)) <= {"bad"}  # nothing was run
 
 
 def test_random_tiny_llama_works_as_policy_and_reward_model(tmp_path):
