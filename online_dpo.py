@@ -163,8 +163,7 @@ def validate(args):
     args.num_updates = args.total_episodes // args.batch_size
     if args.num_updates < 1:
         fail("total_episodes", f"must be at least one batch of {args.batch_size} responses")
-    if not os.path.isfile(args.deepspeed_config):
-        fail("deepspeed_config", f"no such file: {args.deepspeed_config}")
+    check_files(args)
     check_numbers(args)
     check_model(args, "sft_model_path")
     check_model(args, "reward_model_path", reward=True)
@@ -252,6 +251,22 @@ def check_numbers(args):
             fail(name, f"must be a finite number, got {value}")
     if args.learning_rate <= 0:
         fail("learning_rate", f"must be positive, got {args.learning_rate}")
+
+
+def check_files(args):
+    """--deepspeed-config is a JSON file with a ZeRO stage; --output-dir is not a file."""
+    if not os.path.isfile(args.deepspeed_config):
+        fail("deepspeed_config", f"no such file: {args.deepspeed_config}")
+    try:
+        with open(args.deepspeed_config) as f:
+            config = json.load(f)
+    except ValueError as error:
+        fail("deepspeed_config", f"{args.deepspeed_config} is not valid JSON: {error}")
+    if not isinstance(config, dict) or not isinstance(config.get("zero_optimization"), dict) \
+            or "stage" not in config["zero_optimization"]:
+        fail("deepspeed_config", f"{args.deepspeed_config} has no zero_optimization.stage")
+    if os.path.isfile(args.output_dir):
+        fail("output_dir", f"{args.output_dir} is a file, not a directory")
 
 
 def check_resume(args):

@@ -248,6 +248,9 @@ def _bad_path(tmp_path, kind):
         else:
             for name in ("tokenizer.json", "tokenizer_config.json"):
                 (path / name).unlink()
+    elif kind == "NOT_JSON":
+        path = path / "zero2.json"
+        path.write_text('{"zero_optimization": {"stage": 2},')
     elif kind == "A_FILE":
         path = os.path.join(TINY, "sft", "config.json")
     elif kind == "PPO_CHECKPOINT":  # a checkpoint written by another script
@@ -279,6 +282,10 @@ BAD_INPUT = [  # (script, arguments, the argument the error must name)
         (["--reward-model-path", "assets/tiny/sft"], "--reward-model-path"),  # a policy, not a reward model
         (["--dataset-name", "EMPTY_SPLIT"], "--dataset-name"),
         (["--resume", "PPO_CHECKPOINT"], "--resume"),
+        (["--deepspeed-config", "NOT_JSON"], "--deepspeed-config"),
+        (["--output-dir", "A_FILE"], "--output-dir"),
+        (["--kl-coef", "-0.1"], "--kl-coef"),
+        (["--cliprange", "0"], "--cliprange"),
     ]],
     # The other scripts share every check but their own `validate` (test_shared_helpers.py).
     ("online_dpo.py", ["--k", "1"], "--k"),
@@ -304,7 +311,8 @@ BAD_INPUT = [  # (script, arguments, the argument the error must name)
 @pytest.mark.parametrize("script, arguments, argument", BAD_INPUT)
 def test_bad_input_exits_2_with_one_line_naming_the_argument(tmp_path, script, arguments, argument):
     arguments = [_bad_path(tmp_path, a) if a.isupper() else a for a in arguments]
-    assert_bad_input(script, [*arguments, "--output-dir", str(tmp_path)], argument)
+    output_dir = [] if "--output-dir" in arguments else ["--output-dir", str(tmp_path)]
+    assert_bad_input(script, [*arguments, *output_dir], argument)
     assert set(os.listdir(tmp_path)) <= {"bad"}  # nothing was run
 
 
