@@ -99,10 +99,12 @@ def test_a_gold_model_with_another_tokenizer_scores_the_text(tmp_path):
     result = run_script("evaluate.py", *common, "--gold-reward-model-path", other, "--output", str(tmp_path / "other.json"))
     assert "the gold model scores the text in its own tokens" in result.stdout
     same, other = (json.loads((tmp_path / f"{name}.json").read_text()) for name in ("same", "other"))
-    assert other["reference_gold_score"] == pytest.approx(same["reference_gold_score"], abs=1e-5)
+    # The same texts and weights: equal up to float summation (2e-5 seen within a full test run; scoring the
+    # policy's token ids with the other vocabulary would be off by tenths).
+    assert other["reference_gold_score"] == pytest.approx(same["reference_gold_score"], abs=1e-4)
     (a,), (b,) = same["checkpoints"].values(), other["checkpoints"].values()
     for key in ("gold_score", "gold_margin"):
-        assert b[key] == pytest.approx(a[key], abs=1e-5), key
+        assert b[key] == pytest.approx(a[key], abs=1e-4), key
     # A response whose text equals its reference scores the same up to the last bits of a float, which the
     # padding of the batch moves; the paper's strict "better than" turns such a tie either way (1 of 64 here).
     assert b["win_rate"] == pytest.approx(a["win_rate"], abs=2 / 64)
