@@ -168,7 +168,7 @@ def sample(args, policy, llm, prompts, tokenizer, stop_id, temperature, seed, de
     """One response per prompt at `temperature`, truncated after the stop token, as a padded tensor."""
     pad = tokenizer.pad_token_id
     if llm is not None:
-        responses = right_pad(vllm_generate(llm, prompts, 1, args.response_length, stop_id, temperature, seed), pad,
+        responses = right_pad(vllm_generate(llm, prompts, 1, args.response_length, stop_id, temperature, seed)[0], pad,
                               device)
     else:
         torch.manual_seed(seed)
@@ -307,11 +307,12 @@ def left_pad(sequences, pad_token_id, device):
     return out.to(device)
 
 
-def right_pad(sequences, pad_token_id, device):
+def right_pad(sequences, pad_value, device):
+    """Lists of token ids (an int pad value) or log-probabilities (a float one) as one padded tensor."""
     width = max(1, max(len(s) for s in sequences))
-    out = torch.full((len(sequences), width), pad_token_id, dtype=torch.long)
+    out = torch.full((len(sequences), width), pad_value)
     for i, s in enumerate(sequences):
-        out[i, : len(s)] = torch.tensor(s, dtype=torch.long)
+        out[i, : len(s)] = torch.tensor(s, dtype=out.dtype)
     return out.to(device)
 
 
@@ -393,8 +394,9 @@ def start_vllm(args, model_path):
     when it starts, so they are set around its construction and restored after."""
     from vllm import LLM
 
+    # Log-probabilities returned with samples are those of the distribution sampled from (after temperature).
     engine_args = dict(model=model_path, dtype="bfloat16" if args.bf16 else "float32", seed=args.seed,
-                       max_model_len=args.max_prompt_length + args.response_length,
+                       max_model_len=args.max_prompt_length + args.response_length, logprobs_mode="processed_logprobs",
                        enforce_eager=args.vllm_enforce_eager, trust_remote_code=args.trust_remote_code)
     if torch.cuda.is_available():
         import pynvml  # counts the node's GPUs, also those the deepspeed launcher hid from this process
@@ -433,7 +435,9 @@ def start_vllm(args, model_path):
 
 
 def vllm_generate(llm, prompts, k, response_length, stop_token_id, temperature, seed):
-    """k responses to each prompt from vLLM; sample j of prompt i is at index j * len(prompts) + i.
+    """k responses to each prompt from vLLM, and the log-probability of each of their tokens under the weights
+    that sampled it (the behaviour policy), at the sampling temperature; sample j of prompt i is at index
+    j * len(prompts) + i.
 
     Each request has its own seed (seed + its index), so a batch depends on the weights and the
     seed only, not on what vLLM generated before (which keeps resumed runs exact). Temperature 0
@@ -443,9 +447,11 @@ def vllm_generate(llm, prompts, k, response_length, stop_token_id, temperature, 
 
     requests = [TokensPrompt(prompt_token_ids=prompt) for _ in range(k) for prompt in prompts]
     sampling = [SamplingParams(temperature=temperature, top_k=0, top_p=1.0, max_tokens=response_length,
-                               ignore_eos=True, stop_token_ids=[stop_token_id], seed=seed + i)
+                               ignore_eos=True, stop_token_ids=[stop_token_id], seed=seed + i, logprobs=0)
                 for i in range(len(requests))]
-    return [list(output.outputs[0].token_ids) for output in llm.generate(requests, sampling, use_tqdm=False)]
+    outputs = [output.outputs[0] for output in llm.generate(requests, sampling, use_tqdm=False)]
+    return ([list(out.token_ids) for out in outputs],
+            [[step[token].logprob for token, step in zip(out.token_ids, out.logprobs)] for out in outputs])
 
 
 def load_into_vllm(llm, weights_path):

@@ -783,8 +783,9 @@ def start_vllm(args, model_path):
     when it starts, so they are set around its construction and restored after."""
     from vllm import LLM
 
+    # Log-probabilities returned with samples are those of the distribution sampled from (after temperature).
     engine_args = dict(model=model_path, dtype="bfloat16" if args.bf16 else "float32", seed=args.seed,
-                       max_model_len=args.max_prompt_length + args.response_length,
+                       max_model_len=args.max_prompt_length + args.response_length, logprobs_mode="processed_logprobs",
                        enforce_eager=args.vllm_enforce_eager, trust_remote_code=args.trust_remote_code)
     if torch.cuda.is_available():
         import pynvml  # counts the node's GPUs, also those the deepspeed launcher hid from this process
@@ -823,7 +824,9 @@ def start_vllm(args, model_path):
 
 
 def vllm_generate(llm, prompts, k, response_length, stop_token_id, temperature, seed):
-    """k responses to each prompt from vLLM; sample j of prompt i is at index j * len(prompts) + i.
+    """k responses to each prompt from vLLM, and the log-probability of each of their tokens under the weights
+    that sampled it (the behaviour policy), at the sampling temperature; sample j of prompt i is at index
+    j * len(prompts) + i.
 
     Each request has its own seed (seed + its index), so a batch depends on the weights and the
     seed only, not on what vLLM generated before (which keeps resumed runs exact). Temperature 0
@@ -833,9 +836,11 @@ def vllm_generate(llm, prompts, k, response_length, stop_token_id, temperature, 
 
     requests = [TokensPrompt(prompt_token_ids=prompt) for _ in range(k) for prompt in prompts]
     sampling = [SamplingParams(temperature=temperature, top_k=0, top_p=1.0, max_tokens=response_length,
-                               ignore_eos=True, stop_token_ids=[stop_token_id], seed=seed + i)
+                               ignore_eos=True, stop_token_ids=[stop_token_id], seed=seed + i, logprobs=0)
                 for i in range(len(requests))]
-    return [list(output.outputs[0].token_ids) for output in llm.generate(requests, sampling, use_tqdm=False)]
+    outputs = [output.outputs[0] for output in llm.generate(requests, sampling, use_tqdm=False)]
+    return ([list(out.token_ids) for out in outputs],
+            [[step[token].logprob for token, step in zip(out.token_ids, out.logprobs)] for out in outputs])
 
 
 def load_into_vllm(llm, weights_path):
@@ -846,11 +851,12 @@ def load_into_vllm(llm, weights_path):
     llm.reset_prefix_cache()
 
 
-def right_pad(sequences, pad_token_id, device):
+def right_pad(sequences, pad_value, device):
+    """Lists of token ids (an int pad value) or log-probabilities (a float one) as one padded tensor."""
     width = max(1, max(len(s) for s in sequences))
-    out = torch.full((len(sequences), width), pad_token_id, dtype=torch.long)
+    out = torch.full((len(sequences), width), pad_value)
     for i, s in enumerate(sequences):
-        out[i, : len(s)] = torch.tensor(s, dtype=torch.long)
+        out[i, : len(s)] = torch.tensor(s, dtype=out.dtype)
     return out.to(device)
 
 
@@ -879,9 +885,11 @@ def generating_version(update, first_version, off_policy_steps):
 
 class GeneratedBatch(NamedTuple):
     """One update's batch: the policy version that generated it, each rank's responses (sample j of prompt i at
-    j * prompts_per_rank + i), and the seconds spent generating it and loading its version into vLLM."""
+    j * prompts_per_rank + i) and their tokens' log-probabilities under that version (the behaviour policy), and
+    the seconds spent generating it and loading its version into vLLM."""
     version: int
     responses: list
+    logprobs: list
     generation_time: float
     load_time: float
 
@@ -894,10 +902,10 @@ class Generator:
     hands every version over with publish() and takes the batches, in order, with get(). Every wait is bounded
     by --generation-timeout; an error in the generator, or the death of vLLM's engine, is raised in the learner."""
 
-    def __init__(self, args, llm, *, weights_dir, train_prompts, prompts_per_rank, stop_id, first_version,
+    def __init__(self, args, llm, *, weights_dir, train_prompts, prompts_per_rank, k, stop_id, first_version,
                  off_policy_steps):
         self.args, self.llm, self.weights_dir, self.stop_id = args, llm, weights_dir, stop_id
-        self.train_prompts, self.prompts_per_rank = train_prompts, prompts_per_rank
+        self.train_prompts, self.prompts_per_rank, self.k = train_prompts, prompts_per_rank, k
         self.first_version, self.off_policy_steps = first_version, off_policy_steps
         self.batches, self.versions = queue.Queue(), queue.Queue()
         self.error = None
@@ -958,13 +966,15 @@ class Generator:
                                         world_size)]
                 # Request i of this batch gets the seed below + i: seeds never repeat across batches, so a batch
                 # depends only on the weights and --seed (which keeps reruns and resumed runs exact).
-                responses = vllm_generate(self.llm, prompts, args.k, args.response_length, self.stop_id,
-                                          args.temperature, seed=args.seed * 2**32 + update * args.batch_size)
+                responses, logprobs = vllm_generate(self.llm, prompts, self.k, args.response_length, self.stop_id,
+                                                    args.temperature, seed=args.seed * 2**32 + update * args.batch_size)
                 # vLLM returns sample j of prompt p at j * len(prompts) + p, and rank r's prompt i is p =
                 # r * prompts_per_rank + i: regroup per rank, sample-major like the synchronous scripts' batches.
-                per_rank = [[responses[j * len(prompts) + r * self.prompts_per_rank + i] for j in range(args.k)
-                             for i in range(self.prompts_per_rank)] for r in range(world_size)]
-                self.batches.put(GeneratedBatch(loaded, per_rank, time.time() - t1, t1 - t0))
+                order = [[j * len(prompts) + r * self.prompts_per_rank + i for j in range(self.k)
+                          for i in range(self.prompts_per_rank)] for r in range(world_size)]
+                self.batches.put(GeneratedBatch(loaded, [[responses[n] for n in rank] for rank in order],
+                                                [[logprobs[n] for n in rank] for rank in order],
+                                                time.time() - t1, t1 - t0))
         except BaseException as error:  # handed to the learner, which raises it
             self.error = error
 
@@ -1004,7 +1014,7 @@ if __name__ == "__main__":
         llm = start_vllm(args, os.path.join(weights_dir, f"policy-{start_update}"))
         shutil.rmtree(os.path.join(weights_dir, f"policy-{start_update}"))
         generator = Generator(args, llm, weights_dir=weights_dir, train_prompts=train_prompts,
-                              prompts_per_rank=prompts_per_rank, stop_id=stop_id, first_version=start_update,
+                              prompts_per_rank=prompts_per_rank, k=args.k, stop_id=stop_id, first_version=start_update,
                               off_policy_steps=off_policy_steps)
         atexit.register(generator.close)  # on every way out: the end, an error, Ctrl-C, SIGTERM (next line)
         signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))

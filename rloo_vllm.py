@@ -1,0 +1,1188 @@
+"""Asynchronous RLOO: vLLM generates the next batch while the learner trains on this one.
+
+The algorithm is rloo.py's: for every prompt the policy samples k responses, a reward model scores
+them, the reward of a response is its score minus kl_coef times its KL to the frozen SFT reference,
+and its advantage is that reward minus the mean reward of the other k-1 responses; the update is a
+clipped ratio of sequence probabilities. What changes is who generates and when (Noukhovitch et al.
+2025, "Asynchronous RLHF", arXiv 2410.18252): a vLLM engine on rank 0, in its own process and on its
+own device, generates batch t+1 with the policy's weights of K updates ago while the learner trains
+on batch t; after each update the learner hands its weights to vLLM. `--sync` makes it on-policy.
+
+Off-policy correction: vLLM returns the log-probability of every sampled token under the weights
+that sampled it (the behaviour policy). The clipped ratio is taken against the learner's own
+log-probabilities before the update (the proximal policy), and each response's loss is weighted by
+the truncated importance weight min(pi_prox(y) / pi_behaviour(y), --is-cap), which corrects for
+the K updates of staleness and for the numerical differences between vLLM and the learner.
+
+    python rloo_vllm.py                                # the offline tiny task, vLLM on a CPU core
+    python rloo_vllm.py --sync                         # the same, on-policy
+    python rloo_vllm.py --help                         # every argument
+    deepspeed --num_gpus 3 rloo_vllm.py --deepspeed-config ds_configs/zero3.json \\
+        --sft-model-path ... --reward-model-path ... --dataset-name ...   # vLLM on a 4th GPU
+"""
+
+import atexit
+import contextlib
+import json
+import math
+import os
+import queue
+import shutil
+import signal
+import socket
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass
+from typing import NamedTuple, Optional
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")  # must be set before deepspeed is imported
+
+import deepspeed
+import torch.distributed as dist
+import tyro
+from datasets import load_dataset
+from deepspeed.accelerator import get_accelerator
+from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
+from deepspeed.runtime.zero.stage3 import unwrap_model_for_generation
+from tqdm import tqdm
+from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification,
+                          AutoTokenizer, StaticCache)
+
+
+@dataclass
+class Args:
+    exp_name: str = os.path.basename(__file__)[: -len(".py")]
+    """name of this experiment, the first part of the run name"""
+    seed: int = 1
+    """random seed"""
+    track: bool = False
+    """log to Weights & Biases (set WANDB_MODE=offline to log without a network)"""
+    wandb_project_name: str = "async-rlhf"
+    """wandb project"""
+    wandb_entity: Optional[str] = None
+    """wandb entity (team or user)"""
+    output_dir: str = "runs"
+    """each run writes metrics.jsonl and checkpoints to <output_dir>/<run name>/"""
+
+    sft_model_path: str = "assets/tiny/sft"
+    """policy and reference model: a local directory or a hub id"""
+    reward_model_path: str = "assets/tiny/reward"
+    """reward model (AutoModelForSequenceClassification with one label) used for training"""
+    gold_reward_model_path: Optional[str] = "assets/tiny/gold_reward"
+    """optional reward model used only for evaluation (eval/gold_scores); None to skip"""
+    trust_remote_code: bool = False
+    """allow models and tokenizers to run code from their repository"""
+    dataset_name: str = "assets/tiny/data"
+    """dataset with a `query` column of prompts: a local directory or a hub id"""
+    dataset_train_split: str = "train"
+    """split to train on"""
+    dataset_eval_split: str = "test"
+    """split to evaluate on"""
+    max_prompt_length: int = 64
+    """prompts longer than this many tokens keep their last max_prompt_length tokens"""
+    response_length: int = 16
+    """number of tokens to sample for each response"""
+    temperature: float = 0.7
+    """sampling temperature; training log-probabilities use the same temperature"""
+    stop_token: str = "eos"
+    """a response ends at its first stop token: `eos` for the tokenizer's EOS, or a string that is one token"""
+    missing_eos_penalty: float = -1.0
+    """score penalty for a response that has no stop token (see --missing-eos-mode)"""
+    missing_eos_mode: str = "add"
+    """`add` the penalty to the score of a response without a stop token (TRL), or `replace` its score by it (the paper's code)"""
+
+    total_episodes: int = 64_000
+    """number of sampled responses to train on"""
+    learning_rate: float = 2e-5
+    """AdamW learning rate, decayed linearly to zero"""
+    per_device_train_batch_size: int = 64
+    """responses per forward/backward pass on each device"""
+    gradient_accumulation_steps: int = 1
+    """micro-batches per optimizer step"""
+    num_mini_batches: int = 1
+    """optimizer steps per generation batch (the off-policy knob)"""
+    num_ppo_epochs: int = 1
+    """passes over each generation batch"""
+    k: int = 2
+    """responses sampled per prompt"""
+    kl_coef: float = 0.05
+    """weight of the KL to the reference in the reward"""
+    cliprange: float = 0.2
+    """clip range of the probability ratio"""
+    off_policy_steps: int = 1
+    """K: each batch is generated by the policy of K updates before the one it trains (the generator runs K ahead)"""
+    sync: bool = False
+    """on-policy: generate each batch with the newest policy, taking turns with training (for comparison)"""
+    vllm_gpu: Optional[int] = None
+    """GPU for vLLM, as CUDA_VISIBLE_DEVICES numbers it; default: the next GPU after the training ranks', else rank 0's"""
+    vllm_gpu_memory_utilization: Optional[float] = None
+    """share of its GPU's memory vLLM may take (default: 0.9 of a GPU of its own, half the free memory of one it shares with training)"""
+    vllm_cpu_cores: int = 1
+    """without a GPU: CPU cores for vLLM (the learner keeps the others)"""
+    vllm_enforce_eager: bool = False
+    """skip vLLM's model compilation (and CUDA graphs): starts faster, generates slower; for short runs"""
+    generation_timeout: float = 600.0
+    """seconds the learner waits for a batch (and the generator for weights) before stopping with an error"""
+    is_cap: float = 2.0
+    """off-policy correction: weight the loss by pi_prox / pi_behaviour truncated at this value (per response in RLOO, per token in PPO); 0 turns it off"""
+
+    deepspeed_config: str = "ds_configs/zero2.json"
+    """DeepSpeed JSON config (ZeRO stage, offload); batch sizes and precision are filled in here"""
+    bf16: bool = torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+    """train and generate in bfloat16 (default: on when a GPU that supports it is present)"""
+    gradient_checkpointing: bool = False
+    """recompute activations in the backward pass to save memory"""
+    eval_every: int = 20
+    """evaluate every this many updates (0: only at the end)"""
+    num_eval_prompts: int = 256
+    """held-out prompts for evaluation (greedy responses, proxy and gold scores)"""
+    save_every: int = 0
+    """save a checkpoint every this many updates (0: only at the end)"""
+    resume: Optional[str] = None
+    """checkpoint directory, or run directory (its latest checkpoint), to continue from"""
+    local_rank: int = 0
+    """set by the deepspeed launcher"""
+
+    # Filled in at run time.
+    world_size: int = 1
+    """(set at run time) number of processes"""
+    local_batch_size: int = 0
+    """(set at run time) responses per generation batch on each device"""
+    batch_size: int = 0
+    """(set at run time) responses per generation batch on all devices"""
+    num_updates: int = 0
+    """(set at run time) number of generation batches"""
+
+
+def validate(args):
+    """Check the arguments before any model is loaded; fill in the derived batch sizes."""
+    for name in ("per_device_train_batch_size", "gradient_accumulation_steps", "num_mini_batches",
+                 "num_ppo_epochs", "response_length", "max_prompt_length", "total_episodes", "num_eval_prompts"):
+        if getattr(args, name) < 1:
+            fail(name, f"must be at least 1, got {getattr(args, name)}")
+    if args.k < 2:
+        fail("k", f"RLOO needs at least 2 responses per prompt, got {args.k}")
+    if args.cliprange <= 0:
+        fail("cliprange", f"must be positive, got {args.cliprange}")
+    if args.kl_coef < 0:
+        fail("kl_coef", f"must be 0 or more, got {args.kl_coef}")
+    if args.off_policy_steps < 1:
+        fail("off_policy_steps", f"must be at least 1 (use --sync for on-policy), got {args.off_policy_steps}")
+    if args.is_cap < 0:
+        fail("is_cap", f"must be 0 (no correction) or positive, got {args.is_cap}")
+    if args.generation_timeout <= 0:
+        fail("generation_timeout", f"must be positive, got {args.generation_timeout}")
+    if args.vllm_gpu_memory_utilization is not None and not 0 < args.vllm_gpu_memory_utilization <= 1:
+        fail("vllm_gpu_memory_utilization", f"must be in (0, 1], got {args.vllm_gpu_memory_utilization}")
+    if not torch.cuda.is_available() and not 1 <= args.vllm_cpu_cores < len(os.sched_getaffinity(0)):
+        fail("vllm_cpu_cores", f"must leave the learner at least one of this machine's "
+                               f"{len(os.sched_getaffinity(0))} cores, got {args.vllm_cpu_cores}")
+    if args.temperature <= 0:
+        fail("temperature", f"must be positive, got {args.temperature}")
+    if args.missing_eos_mode not in ("add", "replace"):
+        fail("missing_eos_mode", f"must be add or replace, got {args.missing_eos_mode!r}")
+    if args.bf16 and torch.cuda.is_available() and not torch.cuda.is_bf16_supported():
+        fail("bf16", "this GPU does not support bfloat16; train in float32 with --no-bf16")
+    for name in ("eval_every", "save_every"):
+        if getattr(args, name) < 0:
+            fail(name, "must be 0 or more")
+    args.local_batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps * args.num_mini_batches
+    if args.local_batch_size % args.k:
+        fail("k", f"must divide the per-device batch of {args.local_batch_size} responses "
+                       "(per_device_train_batch_size x gradient_accumulation_steps x num_mini_batches)")
+    args.batch_size = args.local_batch_size * args.world_size
+    args.num_updates = args.total_episodes // args.batch_size
+    if args.num_updates < 1:
+        fail("total_episodes", f"must be at least one batch of {args.batch_size} responses")
+    check_files(args)
+    check_numbers(args)
+    check_model(args, "sft_model_path")
+    check_model(args, "reward_model_path", reward=True)
+    if args.gold_reward_model_path is not None:
+        check_model(args, "gold_reward_model_path", reward=True)
+    check_resume(args)
+    config = AutoConfig.from_pretrained(args.sft_model_path, trust_remote_code=args.trust_remote_code)
+    positions = getattr(config, "max_position_embeddings", None)
+    if positions is not None and args.max_prompt_length + args.response_length > positions:
+        fail("response_length", f"max_prompt_length + response_length = {args.max_prompt_length + args.response_length}"
+                                f" exceeds the model's {positions} positions")
+
+
+# ===========================================================================================================
+# The algorithm: the only functions that differ between the algorithm scripts. To try a new loss,
+# change these and steps 3-4 of the loop in the main block.
+# ===========================================================================================================
+
+def rloo_advantages(rewards, k):
+    """Reward minus the mean reward of the other k-1 responses to the same prompt.
+
+    `rewards` holds k blocks of the same prompts: index j * num_prompts + i is sample j of prompt i."""
+    rewards = rewards.view(k, -1)
+    baseline = (rewards.sum(0, keepdim=True) - rewards) / (k - 1)
+    return (rewards - baseline).flatten()
+
+
+def rloo_policy_loss(new_logprobs, old_logprobs, advantages, cliprange, is_weights):
+    """Clipped surrogate loss on sequence-level ratios to the proximal policy (`old_logprobs`: the learner's before
+    the update), each response's term weighted by its importance weight; returns (loss, log_ratio, ratio, clipped)."""
+    log_ratio = new_logprobs.sum(1) - old_logprobs.sum(1)
+    ratio = torch.exp(log_ratio)
+    pg_losses = -advantages * ratio
+    pg_losses_clipped = -advantages * torch.clamp(ratio, 1.0 - cliprange, 1.0 + cliprange)
+    return (torch.max(pg_losses, pg_losses_clipped) * is_weights).mean(), log_ratio, ratio, pg_losses_clipped > pg_losses
+
+
+def truncated_importance_weights(proximal_logprobs, behaviour_logprobs, mask, cap):
+    """The off-policy correction: weights min(pi_prox / pi_behaviour, cap), one per entry (a token, or a response
+    whose log-probabilities are summed), all 1 when cap is 0 (off); constants, no gradient flows through them.
+
+    pi_behaviour is the policy version that sampled the entry in vLLM, pi_prox the learner's policy before this
+    update: the ratio corrects for staleness (K updates) and for numerical differences between the two engines.
+    Also returns what async/ logs over the entries where `mask` holds: the effective sample size of the weights
+    (untruncated when off) as a fraction of the entries, (sum w)^2 / (n sum w^2), and the fraction truncated."""
+    ratio = torch.exp(proximal_logprobs - behaviour_logprobs).detach()
+    weights = ratio.clamp(max=cap) if cap > 0 else torch.ones_like(ratio)
+    w = (weights if cap > 0 else ratio)[mask]
+    stats = {"async/is_ess": (w.sum() ** 2 / (w.numel() * (w ** 2).sum())).item(),
+             "async/is_truncated": (ratio[mask] > cap).float().mean().item() if cap > 0 else 0.0}
+    return weights, stats
+
+
+def mismatch_kl(proximal_logprobs, behaviour_logprobs, mask):
+    """KL(pi_behaviour || pi_prox) per response token, estimated on the behaviour policy's own samples with
+    r - 1 - log r, r = pi_prox / pi_behaviour (unbiased and never negative: Schulman's k3 estimator)."""
+    log_r = proximal_logprobs - behaviour_logprobs
+    return masked_mean(torch.exp(log_r) - 1 - log_r, mask).item()
+
+
+# ===========================================================================================================
+# Plumbing, identical in every script that has it (tests/test_shared_helpers.py keeps the copies equal):
+# data, generation, scoring, evaluation, checkpoints, distributed and run set-up. Change one, change all.
+# ===========================================================================================================
+
+def fail(argument, message):
+    """Bad input: one line on stderr naming the argument, exit code 2."""
+    print(f"error: --{argument.replace('_', '-')}: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def check_model_path(argument, path):
+    looks_like_hub_id = path.count("/") == 1 and not path.startswith((".", "/", "~"))
+    if os.path.isfile(path):
+        fail(argument, f"{path} is a file, not a directory")
+    if not os.path.isdir(path) and not looks_like_hub_id:
+        fail(argument, f"no such directory: {path}")
+
+
+def check_model(args, argument, reward=False):
+    """A model argument, before anything loads: a directory (a hub id is checked when it loads) whose config
+    reads, that holds a tokenizer and, for a reward model, a sequence classifier (any other model would get
+    a score head of random weights)."""
+    path = getattr(args, argument)
+    check_model_path(argument, path)
+    if not os.path.isdir(path):
+        return
+    try:
+        config = AutoConfig.from_pretrained(path, trust_remote_code=args.trust_remote_code)
+    except (OSError, ValueError) as error:
+        fail(argument, f"cannot read the model's config in {path}: {str(error).splitlines()[0]}")
+    tokenizer_files = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+    if not any(os.path.isfile(os.path.join(path, name)) for name in tokenizer_files):
+        fail(argument, f"{path} has no tokenizer")
+    if reward and not any(name.endswith("ForSequenceClassification") for name in config.architectures or []):
+        fail(argument, f"{path} is not a reward model: its architectures are {config.architectures}, "
+                       "not a ...ForSequenceClassification")
+
+
+def check_numbers(args):
+    """Every number argument is finite, and the learning rate is positive."""
+    for name, value in asdict(args).items():
+        if isinstance(value, float) and not math.isfinite(value):
+            fail(name, f"must be a finite number, got {value}")
+    if args.learning_rate <= 0:
+        fail("learning_rate", f"must be positive, got {args.learning_rate}")
+
+
+def check_files(args):
+    """--deepspeed-config is a JSON file with a ZeRO stage; --output-dir is not a file."""
+    if not os.path.isfile(args.deepspeed_config):
+        fail("deepspeed_config", f"no such file: {args.deepspeed_config}")
+    try:
+        with open(args.deepspeed_config) as f:
+            config = json.load(f)
+    except ValueError as error:
+        fail("deepspeed_config", f"{args.deepspeed_config} is not valid JSON: {error}")
+    if not isinstance(config, dict) or not isinstance(config.get("zero_optimization"), dict) \
+            or "stage" not in config["zero_optimization"]:
+        fail("deepspeed_config", f"{args.deepspeed_config} has no zero_optimization.stage")
+    if os.path.isfile(args.output_dir):
+        fail("output_dir", f"{args.output_dir} is a file, not a directory")
+
+
+def check_resume(args):
+    """--resume names a run or checkpoint directory of this script."""
+    if args.resume is None:
+        return
+    if not os.path.isdir(args.resume):
+        fail("resume", f"no such directory: {args.resume}")
+    with open(os.path.join(latest_checkpoint(args.resume), "trainer_state.json")) as f:
+        script = json.load(f).get("script")
+    if script not in (None, os.path.basename(__file__)):
+        fail("resume", f"{args.resume} holds a checkpoint of {script}, not of {os.path.basename(__file__)}")
+
+
+def load_prompts(args, tokenizer):
+    """Tokenised prompts of the train and eval splits (lists of token-id lists)."""
+    if not os.path.exists(args.dataset_name) and args.dataset_name.count("/") != 1:
+        fail("dataset_name", f"no such directory: {args.dataset_name}")
+    try:
+        dataset = load_dataset(args.dataset_name)
+    except (OSError, ValueError) as error:  # an unreadable file, an empty split, ...
+        fail("dataset_name", f"cannot load {args.dataset_name}: {str(error).splitlines()[0]}")
+    splits = {}
+    for argument in ("dataset_train_split", "dataset_eval_split"):
+        split = getattr(args, argument)
+        if split not in dataset:
+            fail(argument, f"dataset {args.dataset_name} has no split {split!r} (it has {sorted(dataset)})")
+        if "query" not in dataset[split].column_names:
+            fail("dataset_name", f"split {split!r} has no `query` column (it has {dataset[split].column_names})")
+        if len(dataset[split]) == 0:
+            fail(argument, f"split {split!r} of {args.dataset_name} is empty")
+        ids = tokenizer(list(dataset[split]["query"]), add_special_tokens=False)["input_ids"]
+        splits[argument] = [q[-args.max_prompt_length:] for q in ids]
+    return splits["dataset_train_split"], splits["dataset_eval_split"]
+
+
+def load_tokenizer(path, trust_remote_code):
+    """A tokenizer with a pad token distinct from EOS (added when missing, as for Pythia)."""
+    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    if tokenizer.pad_token_id is None or tokenizer.pad_token_id == tokenizer.eos_token_id:
+        tokenizer.add_special_tokens({"pad_token": "[PAD]"})
+    return tokenizer
+
+
+def stop_token_id(args, tokenizer):
+    if args.stop_token == "eos":
+        if tokenizer.eos_token_id is None:
+            fail("stop_token", "the tokenizer has no EOS token; name a stop token")
+        return tokenizer.eos_token_id
+    ids = tokenizer.encode(args.stop_token, add_special_tokens=False)
+    if len(ids) != 1:
+        fail("stop_token", f"{args.stop_token!r} is not a single token of the tokenizer (it is {len(ids)} tokens)")
+    return ids[0]
+
+
+def prompt_batch(num_prompts, per_rank, update, seed, rank, world_size):
+    """This rank's prompt indices for generation batch `update`: shuffled epochs, no repeats within one."""
+    per_batch = per_rank * world_size
+    batches_per_epoch = num_prompts // per_batch
+    epoch, position = divmod(update, batches_per_epoch)
+    order = torch.randperm(num_prompts, generator=torch.Generator().manual_seed(seed + epoch)).tolist()
+    start = position * per_batch + rank * per_rank
+    return order[start: start + per_rank]
+
+
+def left_pad(sequences, pad_token_id, device):
+    width = max(len(s) for s in sequences)
+    out = torch.full((len(sequences), width), pad_token_id, dtype=torch.long)
+    for i, s in enumerate(sequences):
+        out[i, width - len(s):] = torch.tensor(s, dtype=torch.long)
+    return out.to(device)
+
+
+@torch.no_grad()
+def generate(model, queries, pad_token_id, stop_token_id, response_length, temperature=None):
+    """Sample (or, with temperature None, greedily decode) responses to left-padded queries.
+
+    The decoding loop of HF `generate` (same tokens for the same seed) with a preallocated KV cache and
+    without its per-step machinery (logits processors, stopping criteria), which costs more than the
+    arithmetic of a small model. After its stop token a response gets padding; the loop ends when all
+    responses have one."""
+    attention_mask = queries != pad_token_id
+    position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
+    cache = StaticCache(config=model.config, max_cache_len=queries.shape[1] + response_length)
+    cache_position = torch.arange(queries.shape[1], device=queries.device)
+    finished = torch.zeros(len(queries), dtype=torch.bool, device=queries.device)
+    inputs, tokens = queries, []
+    for _ in range(response_length):
+        logits = model(input_ids=inputs, attention_mask=attention_mask, position_ids=position_ids,
+                       past_key_values=cache, cache_position=cache_position, use_cache=True,
+                       logits_to_keep=1).logits[:, -1].float()
+        if temperature:
+            token = torch.multinomial(torch.softmax(logits / temperature, dim=-1), num_samples=1).squeeze(1)
+        else:
+            token = logits.argmax(-1)
+        token = token.masked_fill(finished, pad_token_id)
+        tokens.append(token)
+        finished |= token == stop_token_id
+        if finished.all():
+            break
+        inputs = token.unsqueeze(1)
+        attention_mask = torch.cat([attention_mask, torch.ones_like(inputs, dtype=torch.bool)], 1)
+        position_ids = position_ids[:, -1:] + 1
+        cache_position = cache_position[-1:] + 1
+    return torch.stack(tokens, 1)
+
+
+def truncate_response(responses, stop_token_id, pad_token_id):
+    """Replace everything after the first stop token (which stays), and from the first pad token, by padding."""
+    is_stop = responses == stop_token_id
+    after_stop = (is_stop.cumsum(1) - is_stop.long()) > 0
+    from_pad = (responses == pad_token_id).cumsum(1) > 0
+    return responses.masked_fill(after_stop | from_pad, pad_token_id)
+
+
+def forward(model, query_responses, pad_token_id):
+    """Run a model on left-padded queries followed by right-padded responses."""
+    attention_mask = query_responses != pad_token_id
+    position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
+    return model(input_ids=query_responses, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
+
+
+def response_logprobs(logits, responses, context_length, temperature):
+    """Log-probabilities of the response tokens under logits divided by the sampling temperature."""
+    logits = logits[:, context_length - 1: -1].float() / temperature
+    return torch.log_softmax(logits, dim=-1).gather(-1, responses.unsqueeze(-1)).squeeze(-1)
+
+
+def entropy_from_logits(logits):
+    logits = logits.float()
+    return torch.logsumexp(logits, -1) - (torch.softmax(logits, -1) * logits).sum(-1)
+
+
+@torch.no_grad()
+def reward_scores(model, query_responses, pad_token_id):
+    """One score per sequence, read at its last non-pad token."""
+    return forward(model, query_responses, pad_token_id).logits[:, 0].float()
+
+
+def apply_missing_eos_penalty(scores, responses, stop_token_id, penalty, mode):
+    """The score of a response without a stop token: `add` the penalty to it (TRL), or `replace` it by the
+    penalty (the paper's code)."""
+    missing = ~(responses == stop_token_id).any(1)
+    if mode == "replace":
+        return torch.where(missing, torch.full_like(scores, penalty), scores)
+    return scores + penalty * missing.float()
+
+
+def masked_mean(values, mask):
+    return (values * mask).sum() / mask.sum().clamp(min=1)
+
+
+def mean_over_ranks(stats, device):
+    """Average a dict of floats over all processes (on the device: NCCL reduces only CUDA tensors)."""
+    values = torch.tensor(list(stats.values()), dtype=torch.float64, device=device)
+    dist.all_reduce(values)
+    return dict(zip(stats, (values / dist.get_world_size()).tolist()))
+
+
+@contextlib.contextmanager
+def unwrapped_for_generation(engine):
+    """The policy module for generate(); under ZeRO-3 its parameters are gathered once for the
+    whole call (DeepSpeed's helper), not layer by layer at every decoding step."""
+    if engine.zero_optimization_stage() == 3:
+        with unwrap_model_for_generation(engine):
+            yield engine.module
+    else:
+        yield engine.module
+
+
+@torch.no_grad()
+def evaluate(args, policy, reward_model, gold_model, eval_prompts, tokenizer, stop_id, device):
+    """Greedy responses to held-out prompts, scored by the reward model (and the gold model)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    prompts = eval_prompts[: args.num_eval_prompts][rank::world]
+    sums = torch.zeros(4, dtype=torch.float64, device=device)  # on the device: NCCL reduces only CUDA tensors
+    samples = []
+    for start in range(0, len(prompts), args.per_device_train_batch_size):
+        queries = left_pad(prompts[start: start + args.per_device_train_batch_size], tokenizer.pad_token_id, device)
+        with unwrapped_for_generation(policy) as model:
+            responses = generate(model, queries, tokenizer.pad_token_id, stop_id, args.response_length)
+        responses = truncate_response(responses, stop_id, tokenizer.pad_token_id)
+        query_responses = torch.cat([queries, responses], 1)
+        scores = reward_scores(reward_model, query_responses, tokenizer.pad_token_id)
+        gold = reward_scores(gold_model, query_responses, tokenizer.pad_token_id) if gold_model else scores * 0
+        sums += torch.stack([scores.sum(), gold.sum(), (responses != tokenizer.pad_token_id).sum(),
+                             torch.tensor(len(scores), device=device)]).double()
+        if not samples:
+            for q, r, s in zip(queries[:4], responses[:4], scores[:4]):
+                samples.append([tokenizer.decode(q, skip_special_tokens=True),
+                                tokenizer.decode(r, skip_special_tokens=True), round(s.item(), 3)])
+    dist.all_reduce(sums)
+    metrics = {"eval/scores": sums[0] / sums[3], "eval/response_length": sums[2] / sums[3]}
+    if gold_model is not None:
+        metrics["eval/gold_scores"] = sums[1] / sums[3]
+    return {k: v.item() for k, v in metrics.items()}, samples
+
+
+class SafeCheckpointEngine(TorchCheckpointEngine):
+    """DeepSpeed's checkpoint engine, but loading with weights_only=True so that a checkpoint cannot run code."""
+
+    def load(self, path, map_location=None):
+        from deepspeed.runtime.fp16.loss_scaler import LossScaler
+        from deepspeed.runtime.zero.config import ZeroStageEnum
+        from deepspeed.utils.tensor_fragment import fragment_address
+
+        with torch.serialization.safe_globals([LossScaler, ZeroStageEnum, fragment_address]):
+            return torch.load(path, map_location=map_location, weights_only=True)
+
+
+def save_checkpoint(args, run_dir, update, episode, engines, tokenizer):
+    """Write <run_dir>/checkpoint-<update>: every trained model as save_pretrained (the policy at the
+    top, any other, such as PPO's value model, in a subdirectory of its name) plus the full
+    training state in training_state/ (DeepSpeed's model, optimizer and scheduler state of each
+    engine, and every rank's RNG state).
+
+    Everything is written to a temporary directory first and renamed at the end, so an
+    interruption never leaves a half-written checkpoint behind."""
+    final = os.path.join(run_dir, f"checkpoint-{update}")
+    tmp = final + ".tmp"
+    if dist.get_rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+    dist.barrier()
+    for name, engine in engines.items():
+        engine.save_checkpoint(os.path.join(tmp, "training_state"), tag=name, save_latest=False)
+        state_dict = gathered_state_dict(engine)
+        if dist.get_rank() == 0:
+            engine.module.save_pretrained(tmp if name == "policy" else os.path.join(tmp, name), state_dict=state_dict)
+    torch.save({"torch": torch.get_rng_state(), "accelerator": get_accelerator().get_rng_state()},
+               os.path.join(tmp, "training_state", f"rng_rank{dist.get_rank()}.pt"))
+    if dist.get_rank() == 0:
+        tokenizer.save_pretrained(tmp)
+        with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
+            json.dump({"script": os.path.basename(__file__), "update": update, "episode": episode, "args": asdict(args)},
+                      f, indent=1)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+    dist.barrier()
+
+
+def latest_checkpoint(path):
+    """`path` if it is a checkpoint, else the checkpoint of `path` with the highest update."""
+    if os.path.isfile(os.path.join(path, "trainer_state.json")):
+        return path
+    updates = [int(d.split("-")[1]) for d in os.listdir(path) if d.startswith("checkpoint-") and d[len("checkpoint-"):].isdigit()]
+    if not updates:
+        fail("resume", f"no checkpoint in {path}")
+    return os.path.join(path, f"checkpoint-{max(updates)}")
+
+
+def load_checkpoint(checkpoint, engines):
+    """Restore the training state written by save_checkpoint; returns (update, episode)."""
+    for name, engine in engines.items():
+        engine.checkpoint_engine = SafeCheckpointEngine()
+        engine.load_checkpoint(os.path.join(checkpoint, "training_state"), tag=name)
+    rng = torch.load(os.path.join(checkpoint, "training_state", f"rng_rank{dist.get_rank()}.pt"), weights_only=True)
+    torch.set_rng_state(rng["torch"])
+    get_accelerator().set_rng_state(rng["accelerator"])
+    with open(os.path.join(checkpoint, "trainer_state.json")) as f:
+        state = json.load(f)
+    return state["update"], state["episode"]
+
+
+def process_group_backend(cuda):
+    """torch.distributed's backend for each device type. NCCL reduces only CUDA tensors ("No backend type
+    associated with device type cpu"), so on GPUs gloo serves the collectives on CPU objects beside it."""
+    return "cpu:gloo,cuda:nccl" if cuda else "gloo"
+
+
+def init_distributed():
+    """Join the process group; a plain `python` launch is a group of one."""
+    if "RANK" not in os.environ:
+        with socket.socket() as s:  # a free port, so several single-process runs can share a machine
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    deepspeed.init_distributed(dist_backend=process_group_backend(torch.cuda.is_available()))
+
+
+def gathered_state_dict(engine):
+    """The engine's weights for save_pretrained on rank 0 (None elsewhere). Under ZeRO-3 every rank takes
+    part in gathering the parameters one module at a time, so no device ever holds the whole model; the
+    gathered weights go to rank 0's CPU memory."""
+    module, rank = engine.module, dist.get_rank()
+    if engine.zero_optimization_stage() != 3:
+        return module.state_dict() if rank == 0 else None
+    state, copies = {}, {}
+    for prefix, submodule in module.named_modules():
+        own = list(submodule.named_parameters(prefix=prefix, recurse=False))
+        with deepspeed.zero.GatheredParameters([p for _, p in own]):
+            if rank == 0:
+                for name, param in own:  # tied weights (one parameter under two names) are copied once
+                    state[name] = copies.setdefault(id(param), param.detach().cpu().clone())
+    if rank != 0:
+        return None
+    persistent = module.state_dict().keys()  # keys only: under ZeRO-3 its parameters are empty shards
+    state.update({name: buffer.cpu() for name, buffer in module.named_buffers() if name in persistent})
+    return state
+
+
+def ds_config(args, train):
+    with open(args.deepspeed_config) as f:
+        config = json.load(f)
+    config.update(train_micro_batch_size_per_gpu=args.per_device_train_batch_size,
+                  gradient_accumulation_steps=args.gradient_accumulation_steps if train else 1,
+                  bf16={"enabled": args.bf16})
+    if not train:  # frozen models: partitioned under ZeRO-3 (offloaded if its parameters are), else replicated
+        zero = config["zero_optimization"]
+        config = {k: v for k, v in config.items() if k not in ("zero_optimization", "gradient_clipping")}
+        config["zero_optimization"] = {"stage": 0}
+        if zero["stage"] == 3:
+            config["zero_optimization"] = {k: v for k, v in zero.items() if k != "offload_optimizer"}
+    return config
+
+
+def set_up_distributed(args):
+    """Join the process group and take this rank's device; returns (rank, device)."""
+    init_distributed()
+    rank = dist.get_rank()
+    device = torch.device(get_accelerator().device_name(args.local_rank))
+    if torch.cuda.is_available():
+        torch.cuda.set_device(device)
+    torch.manual_seed(args.seed + rank)  # each rank samples different responses
+    return rank, device
+
+
+def load_data(args, prompts_per_rank):
+    """The tokenizer, the stop token's id and the tokenised train and eval prompts, checked (with the reward
+    models' tokenizers) before any model is loaded."""
+    tokenizer = load_tokenizer(args.sft_model_path, args.trust_remote_code)
+    stop_id = stop_token_id(args, tokenizer)
+    train_prompts, eval_prompts = load_prompts(args, tokenizer)
+    if len(train_prompts) < prompts_per_rank * args.world_size:
+        fail("per_device_train_batch_size", f"a batch needs {prompts_per_rank * args.world_size} prompts; "
+                                            f"the train split has {len(train_prompts)}")
+    if load_tokenizer(args.reward_model_path, args.trust_remote_code).get_vocab() != tokenizer.get_vocab():
+        fail("reward_model_path", "the reward model's tokenizer differs from the policy's")
+    if (args.gold_reward_model_path and load_tokenizer(args.gold_reward_model_path, args.trust_remote_code).get_vocab()
+            != tokenizer.get_vocab()):
+        fail("gold_reward_model_path", "the gold reward model's tokenizer differs from the policy's "
+                                       "(evaluate.py scores such a model on re-tokenised text)")
+    return tokenizer, stop_id, train_prompts, eval_prompts
+
+
+def run_directory(args):
+    """(name, directory) of the run: the resumed run's, or <output_dir>/<exp_name>__<seed>__<rank 0's time>."""
+    run_dir = os.path.dirname(os.path.abspath(latest_checkpoint(args.resume))) if args.resume else None
+    name = [os.path.basename(run_dir) if run_dir else f"{args.exp_name}__{args.seed}__{int(time.time())}"]
+    dist.broadcast_object_list(name, src=0)  # every rank uses rank 0's clock
+    return name[0], run_dir or os.path.join(os.path.abspath(args.output_dir), name[0])
+
+
+def load_model(args, path, tokenizer, reward=False):
+    """A causal LM or, with `reward`, a one-label sequence classifier (None without a path). Dropout is off (it
+    would make the log-probabilities of the same tokens disagree) and the embeddings have room for the pad
+    token, which the tokenizer may have added."""
+    if path is None:
+        return None
+    load = dict(dtype=torch.bfloat16 if args.bf16 else torch.float32, trust_remote_code=args.trust_remote_code)
+    if reward:
+        model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, **load)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(path, **load)
+    disable_dropout(model)
+    model.config.pad_token_id = tokenizer.pad_token_id
+    if len(tokenizer) > model.get_input_embeddings().num_embeddings:
+        model.resize_token_embeddings(len(tokenizer))
+    return model
+
+
+def training_engine(args, model):
+    """A DeepSpeed engine that trains `model` with AdamW (DeepSpeed's CPU Adam when the optimizer is offloaded),
+    the learning rate decayed linearly to zero over the run's optimizer steps."""
+    if args.gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+    config = ds_config(args, train=True)
+    offload = config["zero_optimization"].get("offload_optimizer", {}).get("device", "none") != "none"
+    adam = deepspeed.ops.adam.DeepSpeedCPUAdam if offload else torch.optim.AdamW
+    optimizer = adam(model.parameters(), lr=args.learning_rate, eps=1e-5, weight_decay=0.0)
+    num_steps = args.num_updates * args.num_mini_batches * args.num_ppo_epochs
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 - step / num_steps)
+    return deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler, config=config)[0]
+
+
+def frozen_engine(args, model):
+    """A DeepSpeed engine that only runs `model` forward (partitioned under ZeRO-3); None for None."""
+    if model is None:
+        return None
+    return deepspeed.initialize(model=model.eval(), config=ds_config(args, train=False))[0]
+
+
+class RunLog:
+    """The run's record, written by rank 0: metrics.jsonl in the run directory (on resume, the lines logged
+    after the checkpoint are dropped) and, with --track, wandb."""
+
+    def __init__(self, args, run_dir, run_name, start_update):
+        self.writer, self.track = dist.get_rank() == 0, args.track
+        self.path = os.path.join(run_dir, "metrics.jsonl")
+        if not self.writer:
+            return
+        os.makedirs(run_dir, exist_ok=True)
+        if args.resume and os.path.exists(self.path):
+            with open(self.path) as f:
+                kept = [line for line in f if json.loads(line)["update"] <= start_update]
+            with open(self.path, "w") as f:
+                f.writelines(kept)
+        if self.track:
+            import wandb
+
+            self.wandb = wandb
+            wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, name=run_name, id=run_name,
+                       config=asdict(args), resume="allow" if args.resume else None, save_code=True)
+
+    def log(self, update, metrics, samples=None):
+        if not self.writer:
+            return
+        with open(self.path, "a") as f:
+            f.write(json.dumps({"update": update, **metrics}) + "\n")
+        if self.track:
+            self.wandb.log(metrics, step=metrics["episode"])
+            if samples:
+                table = self.wandb.Table(columns=["query", "response", "score"], data=samples)
+                self.wandb.log({"eval/samples": table}, step=metrics["episode"])
+
+    def close(self):
+        if self.writer and self.track:
+            self.wandb.finish()
+
+
+def disable_dropout(model):
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+
+
+# ===========================================================================================================
+# Asynchronous generation, identical in every *_vllm.py: vLLM on rank 0 fed by a background thread, the
+# schedule of policy versions, and the hand-off of the learner's weights.
+# ===========================================================================================================
+
+def vllm_gpu_placement(env, num_node_gpus, vllm_gpu=None):
+    """vLLM's GPU: (the CUDA_VISIBLE_DEVICES entry for its engine, the CUDA index on rank 0 of the training GPU
+    it shares, or None when it has a GPU of its own). A pure function of the launcher's environment.
+
+    Training ranks use the first entries of CUDA_VISIBLE_DEVICES (all GPUs when unset), one per local rank:
+    deepspeed's launcher says how many in LOCAL_SIZE (and sets CUDA_VISIBLE_DEVICES to exactly those), torchrun
+    in LOCAL_WORLD_SIZE, a `python` launch is one rank. vLLM takes --vllm-gpu, else the next visible entry,
+    else (deepspeed only: its --num_gpus hid the rest of the node) the first of the node's GPUs that no rank
+    uses, else it shares rank 0's GPU. Entries are CUDA's own (indices in CUDA's order, UUIDs or MIG names),
+    passed on unchanged, so NVML's other numbering never enters; NVML only counts the node's GPUs."""
+    visible = env.get("CUDA_VISIBLE_DEVICES")
+    entries = [e.strip() for e in visible.split(",") if e.strip()] if visible else [str(i) for i in range(num_node_gpus)]
+    local_ranks = int(env.get("LOCAL_SIZE") or env.get("LOCAL_WORLD_SIZE") or 1)
+    training, rest = entries[:local_ranks], entries[local_ranks:]
+    if vllm_gpu is not None:
+        choice = str(vllm_gpu)
+    elif rest:
+        choice = rest[0]
+    elif "LOCAL_SIZE" in env and all(e.isdigit() for e in training) and len(training) < num_node_gpus:
+        choice = next(str(i) for i in range(num_node_gpus) if str(i) not in training)
+    else:
+        choice = training[0]
+    return choice, (entries.index(choice) if choice in training else None)
+
+
+def vllm_memory_share(requested, free_bytes, total_bytes, gpu):
+    """vLLM's gpu_memory_utilization on a GPU it shares with training: vLLM refuses to start unless that share of
+    the GPU's total memory is free, and the learner's models are already there. By default vLLM takes half of what
+    is free (the other half is for the learner's activations and optimizer state)."""
+    share = requested if requested is not None else int(50 * free_bytes / total_bytes) / 100
+    if share * total_bytes > free_bytes or (requested is None and share * total_bytes < 2**30):
+        fail("vllm_gpu_memory_utilization", f"GPU {gpu}, shared with training, has {free_bytes / 2**30:.1f} of "
+                                            f"{total_bytes / 2**30:.1f} GiB free, too little for vLLM to take "
+                                            f"{share:.2f} of it (give vLLM a GPU of its own with --vllm-gpu)")
+    return share
+
+
+def start_vllm(args, model_path):
+    """A vLLM engine for `model_path`, running in its own process (vLLM's default) on its own device.
+
+    The engine process reads CUDA_VISIBLE_DEVICES (GPU) or VLLM_CPU_OMP_THREADS_BIND (CPU cores)
+    when it starts, so they are set around its construction and restored after."""
+    from vllm import LLM
+
+    # Log-probabilities returned with samples are those of the distribution sampled from (after temperature).
+    engine_args = dict(model=model_path, dtype="bfloat16" if args.bf16 else "float32", seed=args.seed,
+                       max_model_len=args.max_prompt_length + args.response_length, logprobs_mode="processed_logprobs",
+                       enforce_eager=args.vllm_enforce_eager, trust_remote_code=args.trust_remote_code)
+    if torch.cuda.is_available():
+        import pynvml  # counts the node's GPUs, also those the deepspeed launcher hid from this process
+
+        pynvml.nvmlInit()
+        gpu, shared = vllm_gpu_placement(os.environ, pynvml.nvmlDeviceGetCount(), args.vllm_gpu)
+        share = 0.9 if args.vllm_gpu_memory_utilization is None else args.vllm_gpu_memory_utilization
+        if shared is not None:
+            share = vllm_memory_share(args.vllm_gpu_memory_utilization, *torch.cuda.mem_get_info(shared), gpu)
+            print(f"vLLM shares GPU {gpu} with training and takes {share:.2f} of its memory "
+                  "(--vllm-gpu-memory-utilization); it has no GPU of its own", flush=True)
+        env = {"CUDA_VISIBLE_DEVICES": gpu}
+        engine_args["gpu_memory_utilization"] = share
+    else:
+        cores = sorted(os.sched_getaffinity(0))[-args.vllm_cpu_cores:]
+        env = {"VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, cores))}
+        # vLLM on CPU would otherwise reserve most of the machine's memory for its KV cache; one
+        # generation batch needs keys and values of every layer for each of its sequences.
+        config = AutoConfig.from_pretrained(model_path, trust_remote_code=args.trust_remote_code)
+        per_token = 2 * config.num_hidden_layers * config.hidden_size * (2 if args.bf16 else 4)
+        engine_args["kv_cache_memory_bytes"] = max(2 * per_token * args.batch_size * engine_args["max_model_len"],
+                                                   64 * 2**20)
+        # A prompt whose prefill is split over steps makes vLLM rewind its seeded sampler, which
+        # torch's CPU generator cannot do; without chunked prefill every prompt is prefilled whole.
+        engine_args["enable_chunked_prefill"] = False
+    saved = {name: os.environ.get(name) for name in env}
+    os.environ.update(env)
+    try:
+        return LLM(**engine_args)
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name)
+            else:
+                os.environ[name] = value
+
+
+def vllm_generate(llm, prompts, k, response_length, stop_token_id, temperature, seed):
+    """k responses to each prompt from vLLM, and the log-probability of each of their tokens under the weights
+    that sampled it (the behaviour policy), at the sampling temperature; sample j of prompt i is at index
+    j * len(prompts) + i.
+
+    Each request has its own seed (seed + its index), so a batch depends on the weights and the
+    seed only, not on what vLLM generated before (which keeps resumed runs exact). Temperature 0
+    is greedy decoding. Like generate(), only the stop token ends a response, and it is kept."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    requests = [TokensPrompt(prompt_token_ids=prompt) for _ in range(k) for prompt in prompts]
+    sampling = [SamplingParams(temperature=temperature, top_k=0, top_p=1.0, max_tokens=response_length,
+                               ignore_eos=True, stop_token_ids=[stop_token_id], seed=seed + i, logprobs=0)
+                for i in range(len(requests))]
+    outputs = [output.outputs[0] for output in llm.generate(requests, sampling, use_tqdm=False)]
+    return ([list(out.token_ids) for out in outputs],
+            [[step[token].logprob for token, step in zip(out.token_ids, out.logprobs)] for out in outputs])
+
+
+def load_into_vllm(llm, weights_path):
+    """Replace the engine's weights by those of a save_pretrained directory (vLLM's in-place reload,
+    run in the engine's worker process). The prefix cache is emptied: its keys are token ids, not
+    weights, so prompts sharing a cached prefix would reuse keys and values of the old weights."""
+    llm.collective_rpc("reload_weights", kwargs={"weights_path": weights_path})
+    llm.reset_prefix_cache()
+
+
+def right_pad(sequences, pad_value, device):
+    """Lists of token ids (an int pad value) or log-probabilities (a float one) as one padded tensor."""
+    width = max(1, max(len(s) for s in sequences))
+    out = torch.full((len(sequences), width), pad_value)
+    for i, s in enumerate(sequences):
+        out[i, : len(s)] = torch.tensor(s, dtype=out.dtype)
+    return out.to(device)
+
+
+def save_for_vllm(policy, path):
+    """Write the policy's weights where vLLM can load them; every rank takes part, rank 0 writes."""
+    state_dict = gathered_state_dict(policy)
+    if dist.get_rank() == 0:
+        policy.module.save_pretrained(path, state_dict=state_dict)
+
+
+def weights_root(run_dir, needed_bytes, shm="/dev/shm"):
+    """Where the weights handed to vLLM go: memory (/dev/shm) when it has room for `needed_bytes`, else the
+    run directory, said in one line. A container's /dev/shm is often 64 MB."""
+    if os.path.isdir(shm) and shutil.disk_usage(shm).free >= needed_bytes:
+        return shm
+    print(f"warning: {shm} has no room for {needed_bytes / 2**20:.0f} MiB of weights handed to vLLM; "
+          f"they go through {run_dir} (disk)", file=sys.stderr, flush=True)
+    return run_dir
+
+
+def generating_version(update, first_version, off_policy_steps):
+    """The policy version that generates batch `update` (version v is the policy after v updates): the one
+    off_policy_steps (K) updates before the version that trains on it, never one before the run started."""
+    return max(first_version, update - 1 - off_policy_steps)
+
+
+class GeneratedBatch(NamedTuple):
+    """One update's batch: the policy version that generated it, each rank's responses (sample j of prompt i at
+    j * prompts_per_rank + i) and their tokens' log-probabilities under that version (the behaviour policy), and
+    the seconds spent generating it and loading its version into vLLM."""
+    version: int
+    responses: list
+    logprobs: list
+    generation_time: float
+    load_time: float
+
+
+class Generator:
+    """vLLM on rank 0, generating in a background thread while the learner trains.
+
+    The engine runs in its own process, so generation and training overlap; this thread only feeds it, one batch
+    after another, each with the policy version generating_version() names, which it waits for. The learner
+    hands every version over with publish() and takes the batches, in order, with get(). Every wait is bounded
+    by --generation-timeout; an error in the generator, or the death of vLLM's engine, is raised in the learner."""
+
+    def __init__(self, args, llm, *, weights_dir, train_prompts, prompts_per_rank, k, stop_id, first_version,
+                 off_policy_steps):
+        self.args, self.llm, self.weights_dir, self.stop_id = args, llm, weights_dir, stop_id
+        self.train_prompts, self.prompts_per_rank, self.k = train_prompts, prompts_per_rank, k
+        self.first_version, self.off_policy_steps = first_version, off_policy_steps
+        self.batches, self.versions = queue.Queue(), queue.Queue()
+        self.error = None
+        self.stopping = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="generator", daemon=True)
+        self.thread.start()
+
+    def publish(self, version, weights_path):
+        """Hand the generator version `version` of the policy, a save_pretrained directory that it deletes."""
+        self.versions.put((version, weights_path))
+
+    def get(self):
+        """The next GeneratedBatch, for the learner: raises the generator's error, or the engine's death, as
+        soon as either happens."""
+        return self._take(self.batches, "a generation batch", check=self._raise_if_generator_failed)
+
+    def close(self):
+        """Stop the thread and the engine and delete the handed-over weights (safe to call twice)."""
+        self.stopping.set()
+        self.llm.llm_engine.engine_core.shutdown(timeout=30)
+        self.thread.join(timeout=5)  # a daemon: if it is stuck in a dead engine, the process exits without it
+        shutil.rmtree(self.weights_dir, ignore_errors=True)
+
+    def _raise_if_generator_failed(self):
+        if self.error is not None:
+            raise RuntimeError(f"the generator failed: {self.error!r}") from self.error
+        if self.llm.llm_engine.engine_core.resources.engine_dead:  # a generate() waiting on it never returns
+            raise RuntimeError("the generator failed: vLLM's engine process died")
+
+    def _take(self, source, what, check):
+        """The next item of a queue, waiting at most --generation-timeout and calling `check` meanwhile."""
+        deadline = time.time() + self.args.generation_timeout
+        while True:
+            try:
+                return source.get(timeout=0.2)
+            except queue.Empty:
+                pass
+            check()
+            if self.stopping.is_set():
+                raise RuntimeError("the learner stopped")
+            if time.time() > deadline:
+                raise TimeoutError(f"waited {self.args.generation_timeout} s for {what} (--generation-timeout)")
+
+    def _run(self):
+        args, world_size = self.args, self.args.world_size
+        try:
+            loaded = self.first_version
+            for update in range(self.first_version + 1, args.num_updates + 1):
+                t0 = time.time()
+                while loaded < generating_version(update, self.first_version, self.off_policy_steps):
+                    loaded, weights_path = self._take(self.versions, "new weights", check=lambda: None)
+                    load_into_vllm(self.llm, weights_path)
+                    shutil.rmtree(weights_path, ignore_errors=True)
+                t1 = time.time()
+                # Every rank's prompts, rank after rank, as the synchronous scripts choose them.
+                prompts = [self.train_prompts[i] for r in range(world_size) for i in
+                           prompt_batch(len(self.train_prompts), self.prompts_per_rank, update - 1, args.seed, r,
+                                        world_size)]
+                # Request i of this batch gets the seed below + i: seeds never repeat across batches, so a batch
+                # depends only on the weights and --seed (which keeps reruns and resumed runs exact).
+                responses, logprobs = vllm_generate(self.llm, prompts, self.k, args.response_length, self.stop_id,
+                                                    args.temperature, seed=args.seed * 2**32 + update * args.batch_size)
+                # vLLM returns sample j of prompt p at j * len(prompts) + p, and rank r's prompt i is p =
+                # r * prompts_per_rank + i: regroup per rank, sample-major like the synchronous scripts' batches.
+                order = [[j * len(prompts) + r * self.prompts_per_rank + i for j in range(self.k)
+                          for i in range(self.prompts_per_rank)] for r in range(world_size)]
+                self.batches.put(GeneratedBatch(loaded, [[responses[n] for n in rank] for rank in order],
+                                                [[logprobs[n] for n in rank] for rank in order],
+                                                time.time() - t1, t1 - t0))
+        except BaseException as error:  # handed to the learner, which raises it
+            self.error = error
+
+
+if __name__ == "__main__":
+    args = tyro.cli(Args)
+    args.world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    validate(args)
+    rank, device = set_up_distributed(args)
+    if not torch.cuda.is_available():  # vLLM gets --vllm-cpu-cores of its own; the learner ranks share the others
+        torch.set_num_threads(max(1, (len(os.sched_getaffinity(0)) - args.vllm_cpu_cores) // args.world_size))
+    prompts_per_rank = args.local_batch_size // args.k
+    tokenizer, stop_id, train_prompts, eval_prompts = load_data(args, prompts_per_rank)
+    run_name, run_dir = run_directory(args)
+
+    # Models and DeepSpeed engines: the policy trains; the reference and reward models only run forward.
+    policy = training_engine(args, load_model(args, args.sft_model_path, tokenizer))
+    ref_policy = frozen_engine(args, load_model(args, args.sft_model_path, tokenizer))
+    reward_model = frozen_engine(args, load_model(args, args.reward_model_path, tokenizer, reward=True))
+    gold_model = frozen_engine(args, load_model(args, args.gold_reward_model_path, tokenizer, reward=True))
+
+    start_update, episode = 0, 0
+    if args.resume:
+        start_update, episode = load_checkpoint(latest_checkpoint(args.resume), {"policy": policy})
+
+    # vLLM on rank 0, started from the learner's weights (version start_update: the SFT policy, or
+    # the resumed one). Weights move through memory (/dev/shm) when it has room for the K + 1 versions
+    # that can be on their way at once, else through the run directory; each version is deleted once
+    # vLLM has loaded it. Rank 0's process id keeps two runs of one name (a sweep) apart.
+    off_policy_steps = 0 if args.sync else args.off_policy_steps  # K
+    version_bytes = sum(getattr(p, "ds_numel", p.numel()) for p in policy.module.parameters()) * (2 if args.bf16 else 4)
+    root = weights_root(run_dir, (off_policy_steps + 1) * version_bytes) if rank == 0 else run_dir  # only rank 0 writes
+    weights_dir = os.path.join(root, f"{run_name}-{os.getpid()}-weights")
+    save_for_vllm(policy, os.path.join(weights_dir, f"policy-{start_update}"))
+    if rank == 0:
+        tokenizer.save_pretrained(os.path.join(weights_dir, f"policy-{start_update}"))
+        llm = start_vllm(args, os.path.join(weights_dir, f"policy-{start_update}"))
+        shutil.rmtree(os.path.join(weights_dir, f"policy-{start_update}"))
+        generator = Generator(args, llm, weights_dir=weights_dir, train_prompts=train_prompts,
+                              prompts_per_rank=prompts_per_rank, k=args.k, stop_id=stop_id, first_version=start_update,
+                              off_policy_steps=off_policy_steps)
+        atexit.register(generator.close)  # on every way out: the end, an error, Ctrl-C, SIGTERM (next line)
+        signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+
+    run_log = RunLog(args, run_dir, run_name, start_update)  # metrics.jsonl (rank 0), wandb with --track
+    if rank == 0:
+        print(f"run {run_dir}: {args.num_updates} updates of {args.batch_size} responses "
+              f"({args.batch_size // args.k} prompts x {args.k})", flush=True)
+
+    pad = tokenizer.pad_token_id
+    progress = tqdm(total=args.num_updates * args.batch_size, initial=episode, unit="ep", disable=rank != 0)
+    if not args.resume:  # the curves start from the SFT policy
+        eval_metrics, samples = evaluate(args, policy, reward_model, gold_model, eval_prompts, tokenizer, stop_id, device)
+        run_log.log(0, {**eval_metrics, "episode": 0}, samples)
+    start_time, start_episode = time.time(), episode
+    for update in range(start_update + 1, args.num_updates + 1):
+        # 1. Take the next batch from the generator: k responses per prompt, generated by policy `batch.version`.
+        t0 = time.time()
+        batch = [generator.get() if rank == 0 else None]
+        dist.broadcast_object_list(batch, src=0)
+        batch = batch[0]
+        indices = prompt_batch(len(train_prompts), prompts_per_rank, update - 1, args.seed, rank, args.world_size)
+        queries = left_pad([train_prompts[i] for i in indices], pad, device).repeat(args.k, 1)
+        context_length = queries.shape[1]
+        responses = truncate_response(right_pad(batch.responses[rank], pad, device), stop_id, pad)
+        query_responses = torch.cat([queries, responses], 1)
+        padding_mask = responses == pad  # everything after the response
+        behaviour_logprobs = right_pad(batch.logprobs[rank], 0.0, device).masked_fill(padding_mask, 0.0)
+        t1 = time.time()
+
+        # 2. Score: log-probabilities under the policy and the reference, reward-model scores. When the batch is
+        #    trained on in one step (one epoch, one micro-batch), the ratio to the sampling policy is exactly 1:
+        #    the policy's log-probabilities come from that step's forward, run here, not from an extra pass.
+        one_step = args.num_ppo_epochs == 1 and args.per_device_train_batch_size == args.local_batch_size
+        logprobs, ref_logprobs, scores = [], [], []
+        if one_step:
+            batch_logits = forward(policy, query_responses, pad).logits  # with gradients: step 4 trains on them
+            logprobs.append(response_logprobs(batch_logits, responses, context_length, args.temperature).detach())
+        with torch.no_grad():
+            for i in range(0, len(query_responses), args.per_device_train_batch_size):
+                chunk = query_responses[i: i + args.per_device_train_batch_size]
+                chunk_responses = chunk[:, context_length:]
+                if not one_step:
+                    logprobs.append(response_logprobs(forward(policy, chunk, pad).logits, chunk_responses,
+                                                      context_length, args.temperature))
+                ref_logprobs.append(response_logprobs(forward(ref_policy, chunk, pad).logits, chunk_responses,
+                                                      context_length, args.temperature))
+                scores.append(reward_scores(reward_model, chunk, pad))
+        logprobs = torch.cat(logprobs).masked_fill(padding_mask, 0.0)
+        ref_logprobs = torch.cat(ref_logprobs).masked_fill(padding_mask, 0.0)
+        raw_scores = torch.cat(scores)
+        scores = apply_missing_eos_penalty(raw_scores, responses, stop_id, args.missing_eos_penalty,
+                                           args.missing_eos_mode)
+
+        # 3. Rewards, leave-one-out advantages, and the off-policy correction: each response's importance weight
+        #    pi_prox / pi_behaviour (the learner's sequence probability over vLLM's), truncated at --is-cap.
+        kl = (logprobs - ref_logprobs).sum(1)
+        non_score_reward = -args.kl_coef * kl
+        rlhf_reward = scores + non_score_reward
+        advantages = rloo_advantages(rlhf_reward, args.k)
+        is_weights, is_stats = truncated_importance_weights(logprobs.sum(1), behaviour_logprobs.sum(1),
+                                                            torch.ones_like(kl, dtype=torch.bool), args.is_cap)
+        t2 = time.time()
+
+        # 4. PPO-style clipped updates over mini-batches of this generation batch, importance-weighted.
+        stats = {name: [] for name in ("loss", "approxkl", "clipfrac", "ratio", "entropy")}
+        local_mini_batch = args.local_batch_size // args.num_mini_batches
+        for _ in range(args.num_ppo_epochs):
+            order = torch.randperm(args.local_batch_size, device=device)
+            for mb_start in range(0, args.local_batch_size, local_mini_batch):
+                for mc_start in range(mb_start, mb_start + local_mini_batch, args.per_device_train_batch_size):
+                    idx = order[mc_start: mc_start + args.per_device_train_batch_size]
+                    logits = batch_logits[idx] if one_step else forward(policy, query_responses[idx], pad).logits
+                    new_logprobs = response_logprobs(logits, responses[idx], context_length, args.temperature)
+                    new_logprobs = new_logprobs.masked_fill(padding_mask[idx], 0.0)
+                    loss, log_ratio, ratio, clipped = rloo_policy_loss(new_logprobs, logprobs[idx], advantages[idx],
+                                                                       args.cliprange, is_weights[idx])
+                    policy.backward(loss)
+                    policy.step()
+                    with torch.no_grad():
+                        entropy = entropy_from_logits(logits[:, context_length - 1: -1] / args.temperature)
+                        stats["loss"].append(loss)
+                        stats["approxkl"].append(0.5 * (log_ratio ** 2).mean())
+                        stats["clipfrac"].append(clipped.float().mean())
+                        stats["ratio"].append(ratio.mean())
+                        stats["entropy"].append(masked_mean(entropy, ~padding_mask[idx]))
+        t3 = time.time()
+
+        # 5. Hand the new weights to vLLM, if a later batch is to be generated by them.
+        if generating_version(args.num_updates, start_update, off_policy_steps) >= update:
+            save_for_vllm(policy, os.path.join(weights_dir, f"policy-{update}"))
+            if rank == 0:
+                generator.publish(update, os.path.join(weights_dir, f"policy-{update}"))
+        t4 = time.time()
+
+        # 6. Log, evaluate, save.
+        episode += args.batch_size
+        progress.update(args.batch_size)
+        mean = {name: torch.stack(per_step).mean().item() for name, per_step in stats.items()}
+        metrics = mean_over_ranks({
+            "objective/scores": scores.mean().item(),
+            "objective/raw_scores": raw_scores.mean().item(),
+            "objective/kl": kl.mean().item(),
+            "objective/non_score_reward": non_score_reward.mean().item(),
+            "objective/rlhf_reward": rlhf_reward.mean().item(),
+            "objective/entropy": (-logprobs).sum(1).mean().item(),
+            "policy/entropy_avg": mean["entropy"],
+            "loss/policy_avg": mean["loss"],
+            "policy/approxkl_avg": mean["approxkl"],
+            "policy/clipfrac_avg": mean["clipfrac"],
+            "val/ratio": mean["ratio"],
+            "val/ratio_var": torch.stack(stats["ratio"]).var().item() if len(stats["ratio"]) > 1 else 0.0,
+            "val/num_eos_tokens": (responses == stop_id).sum().item() * args.world_size,
+            "val/response_length": (~padding_mask).sum(1).float().mean().item(),
+            "async/off_policy_steps": update - 1 - batch.version,
+            "async/mismatch_kl": mismatch_kl(logprobs, behaviour_logprobs, ~padding_mask),
+            **is_stats,
+            "time/generation": batch.generation_time,
+            "time/generation_wait": t1 - t0,
+            "time/scoring": t2 - t1,
+            "time/training": t3 - t2,
+            "time/weight_save": t4 - t3,
+            "time/weight_load": batch.load_time,
+        }, device)
+        metrics.update({"lr": policy.get_lr()[0], "episode": episode,
+                        "time/episodes_per_second": (episode - start_episode) / (time.time() - start_time)})
+        samples = None
+        if (args.eval_every and update % args.eval_every == 0) or update == args.num_updates:
+            eval_metrics, samples = evaluate(args, policy, reward_model, gold_model, eval_prompts, tokenizer, stop_id, device)
+            metrics.update(eval_metrics)
+            if rank == 0:
+                tqdm.write(f"update {update}: " + ", ".join(f"{k} {v:.3f}" for k, v in eval_metrics.items()))
+                for query, response, score in samples[:2]:
+                    tqdm.write(f"  {query!r} -> {response!r} (score {score})")
+        run_log.log(update, metrics, samples)
+        progress.set_postfix(score=f"{metrics['objective/scores']:.3f}", kl=f"{metrics['objective/kl']:.2f}",
+                             eps=f"{metrics['time/episodes_per_second']:.0f}")
+        if (args.save_every and update % args.save_every == 0) or update == args.num_updates:
+            save_checkpoint(args, run_dir, update, episode, {"policy": policy}, tokenizer)
+
+    progress.close()
+    if rank == 0:
+        generator.close()
+    run_log.close()
+    dist.barrier()
+    dist.destroy_process_group()
