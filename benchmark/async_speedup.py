@@ -1,15 +1,15 @@
-"""Asynchronous against synchronous online DPO on the tiny task, measured in one invocation.
+"""Asynchronous against synchronous generation for every *_vllm.py script, measured in one invocation.
 
-Runs `online_dpo_vllm.py --sync` and `online_dpo_vllm.py` (asynchronous, K policies late) for the
-same number of episodes, one after the other, and prints for each: the training loop's wall clock
-(from the first update to the last, without start-up), episodes per second, the share of that time
-the learner spent waiting for generation, and the final proxy and gold scores of greedy answers
-to held-out prompts; then the asynchronous run's speed-up.
+For each script, runs it with `--sync` and asynchronously (K policies late) for the same number of
+episodes, one after the other, and prints for each run: the training loop's wall clock (from the
+first update to the last, without start-up), episodes per second, the share of that time the learner
+spent waiting for generation (idle), the mean off-policy steps, and the proxy and gold scores of
+greedy answers to held-out prompts at the start and the end; then each script's speed-up.
 
-    python benchmark/async_speedup.py                      # 200 updates each, about 5 minutes on 2 CPU cores
-    python benchmark/async_speedup.py --total-episodes 64000 --off-policy-steps 2
+    python benchmark/async_speedup.py                      # 4 scripts x 200 updates x 2 modes, about 16 minutes on 2 CPU cores
+    python benchmark/async_speedup.py --scripts online_dpo_vllm --total-episodes 64000 --off-policy-steps 2
 
-Any other argument is passed to both runs (for example --learning-rate 1e-4).
+Any other argument is passed to every run (for example --learning-rate 1e-4).
 """
 
 import argparse
@@ -21,10 +21,13 @@ import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPTS = ["online_dpo_vllm", "rloo_vllm", "ppo_vllm", "bok_vllm"]
+COLUMNS = ["loop seconds", "process seconds", "episodes/s", "learner idle", "off-policy steps", "start proxy",
+           "proxy score", "start gold", "gold score"]
 
 
-def run(mode_arguments, total_episodes, extra, output_dir):
-    command = [sys.executable, "online_dpo_vllm.py", *mode_arguments, "--total-episodes", str(total_episodes),
+def run(script, mode_arguments, total_episodes, extra, output_dir):
+    command = [sys.executable, f"{script}.py", *mode_arguments, "--total-episodes", str(total_episodes),
                "--eval-every", "0", "--output-dir", output_dir, *extra]
     started = time.time()
     subprocess.run(command, cwd=ROOT, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -49,25 +52,26 @@ def run(mode_arguments, total_episodes, extra, output_dir):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--scripts", nargs="+", default=SCRIPTS, choices=SCRIPTS, help="scripts to compare")
     parser.add_argument("--total-episodes", type=int, default=12800, help="episodes of each run (default 200 updates)")
-    parser.add_argument("--off-policy-steps", type=int, default=1, help="K of the asynchronous run")
+    parser.add_argument("--off-policy-steps", type=int, default=1, help="K of the asynchronous runs")
     options, extra = parser.parse_known_args()
 
-    results = {}
+    speedups = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for name, mode in (("sync", ["--sync"]), ("async", ["--off-policy-steps", str(options.off_policy_steps)])):
-            print(f"running {name} ...", flush=True)
-            results[name] = run(mode, options.total_episodes, extra, os.path.join(tmp, name))
-
-    columns = ["loop seconds", "process seconds", "episodes/s", "learner idle", "off-policy steps", "start proxy",
-               "proxy score", "start gold", "gold score"]
-    print(f"\nonline_dpo_vllm.py, {options.total_episodes} episodes, async K = {options.off_policy_steps}"
-          f"{' ' + ' '.join(extra) if extra else ''}")
-    print(f"{'':8}" + "".join(f"{c:>16}" for c in columns))
-    for name, result in results.items():
-        print(f"{name:8}" + "".join(f"{result[c]:>16.3f}" for c in columns))
-    speedup = results["sync"]["loop seconds"] / results["async"]["loop seconds"]
-    print(f"\nasync speed-up (sync loop time / async loop time): {speedup:.2f}x")
+        for script in options.scripts:
+            results = {}
+            for name, mode in (("sync", ["--sync"]), ("async", ["--off-policy-steps", str(options.off_policy_steps)])):
+                print(f"running {script} {name} ...", flush=True)
+                results[name] = run(script, mode, options.total_episodes, extra, os.path.join(tmp, script, name))
+            print(f"\n{script}.py, {options.total_episodes} episodes, async K = {options.off_policy_steps}"
+                  f"{' ' + ' '.join(extra) if extra else ''}")
+            print(f"{'':8}" + "".join(f"{c:>17}" for c in COLUMNS))
+            for name, result in results.items():
+                print(f"{name:8}" + "".join(f"{result[c]:>17.3f}" for c in COLUMNS))
+            speedups[script] = results["sync"]["loop seconds"] / results["async"]["loop seconds"]
+            print(f"async speed-up (sync loop time / async loop time): {speedups[script]:.2f}x\n", flush=True)
+    print("speed-ups: " + ", ".join(f"{script} {speedup:.2f}x" for script, speedup in speedups.items()))
 
 
 if __name__ == "__main__":

@@ -4,9 +4,10 @@
 #
 #   pip install -r requirements.txt && bash benchmark/gpu_smoke.sh      # needs 1 GPU; 2 and 3 GPUs add checks
 #
-# 1 GPU:  each script alone (rloo, online_dpo, bok, ppo: HF generation; online_dpo_vllm: vLLM colocated on
-#         the training GPU with the memory share it chose), finite metrics, off-policy steps 0,1,1,1; evaluate.py
-#         with vLLM. This is where NCCL meets CPU tensors (gloo beside it), bf16, and vLLM's memory check.
+# 1 GPU:  each script alone (rloo, online_dpo, bok, ppo: HF generation; the *_vllm.py scripts: vLLM colocated
+#         on the training GPU with the memory share it chose), finite metrics, off-policy steps 0,1,1,1; evaluate.py
+#         with vLLM. This is where NCCL meets CPU tensors (gloo beside it), bf16, and vLLM's memory check. Prints
+#         the off-policy correction's bf16 mismatch KL between vLLM and the learner (measured nowhere else).
 # 2 GPUs: rloo.py and ppo.py under ZeRO-3 (collectives on NCCL, parameters gathered per module).
 # 3 GPUs: deepspeed --num_gpus 2 online_dpo_vllm.py with ZeRO-3: vLLM on GPU 2 (read from nvidia-smi while it
 #         runs), K = 2 off-policy steps, weights gathered and handed over every update.
@@ -59,6 +60,18 @@ for script in rloo online_dpo bok ppo; do
 done
 check 1gpu_online_dpo_vllm bash -c "$(declare -f run1); CUDA_VISIBLE_DEVICES=0 run1 online_dpo_vllm.py --output-dir $out/1gpu_vllm"
 check 1gpu_online_dpo_vllm_metrics metrics_ok "$out/1gpu_vllm" 4 0 1 1 1
+for script in rloo_vllm ppo_vllm bok_vllm; do
+  check "1gpu_$script" bash -c "$(declare -f run1); CUDA_VISIBLE_DEVICES=0 run1 $script.py --output-dir $out/1gpu_$script"
+  check "1gpu_${script}_metrics" metrics_ok "$out/1gpu_$script" 4 0 1 1 1
+done
+for script in rloo_vllm ppo_vllm; do  # bf16: how far vLLM's log-probabilities are from the learner's (not asserted)
+  python - "$out/1gpu_$script" "$script" <<'EOF'
+import glob, json, sys
+rows = [json.loads(line) for line in open(glob.glob(f"{sys.argv[1]}/*__*/metrics.jsonl")[0])][1:]
+print(f"INFO {sys.argv[2]} bf16: async/mismatch_kl " + " ".join(f"{r['async/mismatch_kl']:.2e}" for r in rows)
+      + ", async/is_ess " + " ".join(f"{r['async/is_ess']:.4f}" for r in rows))
+EOF
+done
 check 1gpu_vllm_shares_gpu_0 grep -q "vLLM shares GPU 0 with training and takes" "$out/1gpu_online_dpo_vllm.log"
 check 1gpu_evaluate_vllm bash -c "CUDA_VISIBLE_DEVICES=0 python evaluate.py --checkpoints $out/1gpu_vllm --num-eval-prompts 256 --backend vllm --output $out/evaluation.json"
 

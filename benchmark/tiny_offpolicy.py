@@ -29,21 +29,28 @@ ALGORITHMS = ["online_dpo", "ppo", "rloo", "bok"]
 def train_and_evaluate(algorithm, n, seed, options, tmp):
     out = os.path.join(tmp, f"{algorithm}_{n}_{seed}")
     started = time.time()
-    subprocess.run([sys.executable, f"{algorithm}.py", "--num-mini-batches", str(n), "--seed", str(seed),
-                    "--learning-rate", str(options.learning_rate), "--total-episodes", str(options.total_episodes),
-                    "--eval-every", "0", "--output-dir", out], cwd=ROOT, check=True,
-                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    row = {"algorithm": algorithm, "n": n, "seed": seed}
+    return {**row, **train_and_evaluate_command([f"{algorithm}.py", "--num-mini-batches", str(n)], seed, options, out),
+            "seconds": round(time.time() - started, 1)}
+
+
+def train_and_evaluate_command(command, seed, options, out):
+    """Train with `command` (a script and its own arguments) at the benchmark's settings, then evaluate the final
+    policy with evaluate.py: its win rate, gold score, KL, perplexity and response length."""
+    subprocess.run([sys.executable, *command, "--seed", str(seed), "--learning-rate", str(options.learning_rate),
+                    "--total-episodes", str(options.total_episodes), "--eval-every", "0", "--output-dir", out],
+                   cwd=ROOT, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     (run_name,) = os.listdir(out)
     subprocess.run([sys.executable, "evaluate.py", "--checkpoints", os.path.join(out, run_name), "--backend", "hf",
                     "--num-eval-prompts", str(options.num_eval_prompts), "--seed", str(seed)], cwd=ROOT, check=True,
                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     with open(os.path.join(out, run_name, "evaluation.json")) as f:
         (metrics,) = json.load(f)["checkpoints"].values()
-    return {"algorithm": algorithm, "n": n, "seed": seed, "seconds": round(time.time() - started, 1),
-            **{k: metrics[k] for k in ("win_rate", "gold_score", "kl", "perplexity", "response_length")}}
+    return {k: metrics[k] for k in ("win_rate", "gold_score", "kl", "perplexity", "response_length")}
 
 
-def plot(rows, path):
+def plot(rows, path, knob="n", knob_label="N (mini-batches per generation batch; more is more off-policy)"):
+    """Win rate against the off-policy knob (mean line, seeds as dots) and against KL."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -52,17 +59,18 @@ def plot(rows, path):
     fig, (by_n, by_kl) = plt.subplots(1, 2, figsize=(11, 4.2))
     for algorithm in dict.fromkeys(row["algorithm"] for row in rows):
         mine = [row for row in rows if row["algorithm"] == algorithm]
-        ns = sorted({row["n"] for row in mine})
-        means = [sum(r["win_rate"] for r in mine if r["n"] == n) / len([r for r in mine if r["n"] == n]) for n in ns]
+        ns = sorted({row[knob] for row in mine})
+        means = [sum(r["win_rate"] for r in mine if r[knob] == n) / len([r for r in mine if r[knob] == n]) for n in ns]
         line, = by_n.plot(ns, means, marker="o", label=algorithm)
-        by_n.scatter([r["n"] for r in mine], [r["win_rate"] for r in mine], color=line.get_color(), alpha=0.35, s=12)
+        by_n.scatter([r[knob] for r in mine], [r["win_rate"] for r in mine], color=line.get_color(), alpha=0.35, s=12)
         by_kl.scatter([r["kl"] for r in mine], [r["win_rate"] for r in mine], color=line.get_color(), label=algorithm,
-                      s=[18 + 10 * r["n"].bit_length() for r in mine], alpha=0.7)
-    by_n.set(xscale="log", xlabel="N (mini-batches per generation batch; more is more off-policy)",
-             ylabel="gold win rate vs references", title="Win rate against off-policyness")
-    by_n.set_xticks([1, 2, 4, 8, 16], labels=["1", "2", "4", "8", "16"])
+                      s=[18 + 10 * (r[knob] + 1).bit_length() for r in mine], alpha=0.7)
+    ticks = sorted({row[knob] for row in rows})
+    by_n.set(xscale="symlog" if 0 in ticks else "log", xlabel=knob_label, ylabel="gold win rate vs references",
+             title="Win rate against off-policyness")
+    by_n.set_xticks(ticks, labels=[str(t) for t in ticks])
     by_kl.set(xlabel="KL to the SFT model (nats, on the policy's samples)", ylabel="gold win rate vs references",
-              title="Win rate against KL (marker size grows with N)")
+              title=f"Win rate against KL (marker size grows with {knob_label.split()[0]})")
     for axis in (by_n, by_kl):
         axis.grid(alpha=0.3)
         axis.legend()

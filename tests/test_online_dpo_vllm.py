@@ -49,7 +49,7 @@ def _greedy_hf(model, prompts, tokenizer, length):
 
 
 def _greedy_vllm(llm, prompts, tokenizer, length):
-    responses = script.vllm_generate(llm, prompts, 1, length, tokenizer.eos_token_id, temperature=0, seed=0)
+    responses = script.vllm_generate(llm, prompts, 1, length, tokenizer.eos_token_id, temperature=0, seed=0)[0]
     return _truncated(script.right_pad(responses, tokenizer.pad_token_id, "cpu"), tokenizer)
 
 
@@ -89,7 +89,7 @@ def test_after_a_weight_push_vllm_greedy_equals_hf_greedy(tmp_path, monkeypatch,
             script.vllm_generate(llm, prompts, 4, 12, tokenizer.eos_token_id, temperature=0.7, seed=9)
             assert first == script.vllm_generate(llm, prompts, 2, 12, tokenizer.eos_token_id, temperature=0.7, seed=5)
             assert first != script.vllm_generate(llm, prompts, 2, 12, tokenizer.eos_token_id, temperature=0.7, seed=6)
-            assert len(first) == 6 and first[0] != first[3]  # two different samples of the first prompt
+            assert len(first[0]) == 6 and first[0][0] != first[0][3]  # two different samples of the first prompt
         before = _greedy_vllm(llm, prompts, tokenizer, 12)
         assert before == _greedy_hf(model, prompts, tokenizer, 12)
         # Train the HF model a little (it learns to answer "beach plane"), then hand the weights over.
@@ -107,6 +107,8 @@ def test_after_a_weight_push_vllm_greedy_equals_hf_greedy(tmp_path, monkeypatch,
         script.load_into_vllm(llm, str(tmp_path / "v1"))
         after = _greedy_vllm(llm, prompts, tokenizer, 12)
         after_logprobs = _logprobs_vllm(llm, prompts, 4)
+        sampled, behaviour_logprobs = script.vllm_generate(llm, prompts, 2, 12, tokenizer.eos_token_id,
+                                                           temperature=0.7, seed=3)
     finally:
         llm.llm_engine.engine_core.shutdown(timeout=30)
     assert after == _greedy_hf(model, prompts, tokenizer, 12)
@@ -115,6 +117,16 @@ def test_after_a_weight_push_vllm_greedy_equals_hf_greedy(tmp_path, monkeypatch,
     difference = max(abs(after_logprobs[key] - expected[key]) for key in expected)
     assert len(expected) >= 30 and difference < 1e-4, difference  # measured: 3e-6 with the reset, 0.5-2.5 without
     assert after != before  # the push changed what vLLM generates
+    # The log-probabilities vLLM returns with its samples (the behaviour policy's, which the off-policy correction
+    # divides by) are the pushed weights' at the sampling temperature, token for token.
+    difference = 0.0
+    for prompt, response, logprobs in zip(prompts * 2, sampled, behaviour_logprobs):
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([prompt + response])).logits[0, len(prompt) - 1: -1]
+        hf = torch.log_softmax(logits / 0.7, -1).gather(1, torch.tensor(response)[:, None])[:, 0]
+        assert len(logprobs) == len(response)
+        difference = max(difference, (torch.tensor(logprobs) - hf).abs().max().item())
+    assert difference < 1e-4, difference
     assert all(response[-1] == tokenizer.eos_token_id for response in after)  # the stop token is kept
 
 

@@ -19,7 +19,8 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 
 pytestmark = pytest.mark.slow  # runs scripts or vLLM engines: minutes
 
-SCRIPTS = ["rloo.py", "online_dpo.py", "bok.py", "ppo.py", "online_dpo_vllm.py"]
+SCRIPTS = ["rloo.py", "online_dpo.py", "bok.py", "ppo.py", "online_dpo_vllm.py", "rloo_vllm.py", "ppo_vllm.py",
+           "bok_vllm.py"]
 COMMON_METRICS = [
     "objective/scores", "objective/raw_scores", "policy/entropy_avg",
     "loss/policy_avg", "val/num_eos_tokens", "val/response_length", "lr", "episode", "time/episodes_per_second", "time/generation",
@@ -28,18 +29,24 @@ COMMON_METRICS = [
 DPO_METRICS = ["pairs/scores", "pairs/kl", "pairs/entropy", "pairs/non_score_reward", "pairs/rlhf_reward",
                "objective/scores_margin", "logps/chosen",
                "logps/rejected", "rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies"]
+ASYNC_METRICS = ["async/off_policy_steps", "time/generation_wait", "time/weight_save", "time/weight_load"]
+CORRECTION_METRICS = ["async/mismatch_kl", "async/is_ess", "async/is_truncated"]
 ALGORITHM_METRICS = {
     "rloo.py": ["objective/kl", "objective/entropy", "objective/non_score_reward", "objective/rlhf_reward",
                 "policy/approxkl_avg", "policy/clipfrac_avg",
                 "val/ratio", "val/ratio_var"],
     "online_dpo.py": DPO_METRICS,
-    "online_dpo_vllm.py": DPO_METRICS + ["async/off_policy_steps", "time/generation_wait", "time/weight_save",
-                                         "time/weight_load"],
     "bok.py": ["objective/kl", "objective/entropy", "objective/scores_best", "logps/chosen"],
     "ppo.py": ["objective/kl", "objective/entropy", "objective/non_score_reward", "objective/rlhf_reward",
                "loss/value_avg", "policy/approxkl_avg",
                "policy/clipfrac_avg", "val/clipfrac_avg", "val/ratio", "val/ratio_var", "val/explained_variance"],
 }
+ALGORITHM_METRICS.update({
+    "online_dpo_vllm.py": ALGORITHM_METRICS["online_dpo.py"] + ASYNC_METRICS,
+    "rloo_vllm.py": ALGORITHM_METRICS["rloo.py"] + ASYNC_METRICS + CORRECTION_METRICS,
+    "ppo_vllm.py": ALGORITHM_METRICS["ppo.py"] + ASYNC_METRICS + CORRECTION_METRICS,
+    "bok_vllm.py": ALGORITHM_METRICS["bok.py"] + ASYNC_METRICS,
+})
 DEEPSPEED = os.path.join(os.path.dirname(sys.executable), "deepspeed")
 
 
@@ -61,83 +68,98 @@ def test_help_lists_every_argument_with_its_docstring(script):
         for field in module.Args.__dataclass_fields__:
             assert f"--{field.replace('_', '-')}" in text, field
         assert "(the off-policy knob)" in text
-        assert ("responses sampled per prompt" in text) == (script != "ppo.py")  # PPO samples one
+        assert ("responses sampled per prompt" in text) == (not script.startswith("ppo"))  # PPO samples one
 
 
-@pytest.mark.parametrize("script", SCRIPTS)
-def test_default_run_logs_finite_metrics_and_saves_a_loadable_checkpoint(tmp_path, script):
-    out = tmp_path / "runs"
-    run_script(script, "--total-episodes", "256", "--eval-every", "2", "--track", "--output-dir", str(out),
-               env={"WANDB_DIR": str(tmp_path)})
-    run_dir = run_dir_of(out)
-    (wandb_run,) = glob.glob(str(tmp_path / "wandb" / "offline-run-*"))  # --track logged to wandb (offline)
-    assert glob.glob(os.path.join(wandb_run, "*.wandb"))
-    rows = read_metrics(run_dir)
-    assert [row["update"] for row in rows] == [0, 1, 2, 3, 4]
-    assert_finite(rows)
-    for key in COMMON_METRICS + ALGORITHM_METRICS[script] + ["eval/scores", "eval/gold_scores"]:
-        assert key in rows[2], key
-    first = rows[1]
-    assert first["episode"] == 64 and rows[-1]["episode"] == 256
-    kl = "pairs/" if script.startswith("online_dpo") else "objective/"  # DPO: the KL of the trained pairs
-    assert abs(first[kl + "kl"]) < 1e-6  # before the first update the policy is the reference
-    if script in ("rloo.py", "ppo.py"):
-        assert abs(first["val/ratio"] - 1) < 1e-5  # one update per batch: the ratio is exactly one
-    if script != "bok.py":
-        scores = "pairs/scores" if script.startswith("online_dpo") else "objective/scores"
-        assert first[kl + "rlhf_reward"] == pytest.approx(first[scores] + first[kl + "non_score_reward"])
-    if script.startswith("online_dpo"):  # k = 2 and scores rarely tie: the pairs are nearly all responses
-        assert first["pairs/scores"] == pytest.approx(first["objective/scores"], abs=0.1)
-    if script.startswith("online_dpo"):  # one micro-batch, taken before the step: every log-ratio is zero
-        assert first["loss/policy_avg"] == pytest.approx(math.log(2), abs=1e-4)
-        assert abs(first["rewards/margins"]) < 1e-4 and first["objective/scores_margin"] > 0
-    if script == "bok.py":
-        assert first["objective/scores_best"] > first["objective/scores"]
-    if script == "online_dpo_vllm.py":  # the first batch comes from the SFT policy, later ones one update late
-        assert [row["async/off_policy_steps"] for row in rows[1:]] == [0, 1, 1, 1]
-        assert all(row["time/weight_save"] > 0 for row in rows[1:3])
-    if script == "ppo.py":  # whitened advantages and a ratio of one: the surrogate is exactly zero
-        assert abs(first["loss/policy_avg"]) < 1e-5 and first["loss/value_avg"] > 0
-
-    checkpoint = os.path.join(run_dir, "checkpoint-4")
-    model = AutoModelForCausalLM.from_pretrained(checkpoint)
-    sft = AutoModelForCausalLM.from_pretrained(os.path.join(TINY, "sft"))
-    moved = max((p - q).abs().max().item() for p, q in zip(model.parameters(), sft.parameters()))
-    assert moved > 1e-5  # the saved weights are the trained ones (Adam moves each weight by about lr per step)
-    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
-    assert len(tokenizer) == model.config.vocab_size
-    if script == "ppo.py":  # the value model is saved too, and trained
-        value_model = AutoModelForSequenceClassification.from_pretrained(os.path.join(checkpoint, "value_model"))
-        reward_model = AutoModelForSequenceClassification.from_pretrained(os.path.join(TINY, "reward"))
-        assert max((p - q).abs().max().item()
-                   for p, q in zip(value_model.parameters(), reward_model.parameters())) > 1e-5
-
-
-# Learning on the tiny task: 100 updates of the default batch (32 prompts x 2) at a learning rate
-# of 1e-4 (the default 2e-5 takes about 300 updates to climb; docs/<script>.md has those curves).
-# The proxy and gold reward-model scores of greedy answers to held-out prompts must both rise by
-# the stated margins: a proxy that rose while gold fell would be reward hacking, not learning.
-# Measured on 2 CPU cores, about 22 s each (update 0 -> 100, proxy and gold):
+# Every script's default run, on the tiny task, with a learning rate of 1e-4 (the default 2e-5 takes about
+# 300 updates to climb; docs/<script>.md has those curves) for 100 updates of the default batch (32 prompts
+# x 2): it logs finite metrics (to wandb too), saves a loadable checkpoint and learns. The proxy and gold
+# reward-model scores of greedy answers to held-out prompts must both rise by the stated margins: a proxy
+# that rose while gold fell would be reward hacking, not learning. Measured on 2 CPU cores (update 0 -> 100,
+# proxy and gold; about 25 s of training each, plus about 40 s to start vLLM and DeepSpeed for *_vllm.py):
 #   rloo.py                    -0.41 -> 3.20, 0.20 -> 0.89
 #   online_dpo.py              -0.41 -> 3.18, 0.20 -> 0.87
 #   online_dpo.py --loss-type ipo   -0.41 -> 1.37, 0.20 -> 0.51 (IPO's fixed target margin holds it back)
 #   bok.py                     -0.41 -> 3.12, 0.20 -> 0.85
 #   ppo.py (34 s)              -0.42 -> 3.38, 0.20 -> 0.92
+#   rloo_vllm.py               -0.41 -> 3.18, 0.20 -> 0.87
 LEARNING = [
     (["rloo.py"], 2.0, 0.4),
     (["online_dpo.py"], 2.0, 0.4),
     (["online_dpo.py", "--loss-type", "ipo"], 1.0, 0.2),
     (["bok.py"], 2.0, 0.4),
     (["ppo.py"], 2.0, 0.4),
-    (["online_dpo_vllm.py", "--vllm-enforce-eager"], 2.0, 0.4),
+    (["online_dpo_vllm.py"], 2.0, 0.4),
+    (["rloo_vllm.py"], 2.0, 0.4),
+    (["rloo_vllm.py", "--sync"], 2.0, 0.4),
+    (["ppo_vllm.py"], 2.0, 0.4),
+    (["ppo_vllm.py", "--sync"], 2.0, 0.4),
+    (["bok_vllm.py"], 2.0, 0.4),
+    (["bok_vllm.py", "--sync"], 2.0, 0.4),
 ]
 
 
 @pytest.mark.parametrize("command, proxy_margin, gold_margin", LEARNING, ids=[" ".join(c) for c, *_ in LEARNING])
-def test_learning_raises_proxy_and_gold_scores_on_held_out_prompts(tmp_path, command, proxy_margin, gold_margin):
-    run_script(*command, "--learning-rate", "1e-4", "--total-episodes", "6400", "--eval-every", "50",
-               "--output-dir", str(tmp_path))
-    evals = [row for row in read_metrics(run_dir_of(tmp_path)) if "eval/scores" in row]
+def test_default_run_logs_saves_and_learns(tmp_path, command, proxy_margin, gold_margin):
+    script, out = command[0], tmp_path / "runs"
+    eager = ["--vllm-enforce-eager"] if script.endswith("_vllm.py") else []  # starts faster: short runs
+    run_script(*command, *eager, "--learning-rate", "1e-4", "--total-episodes", "6400", "--eval-every", "50",
+               "--track", "--output-dir", str(out), env={"WANDB_DIR": str(tmp_path)})
+    run_dir = run_dir_of(out)
+    (wandb_run,) = glob.glob(str(tmp_path / "wandb" / "offline-run-*"))  # --track logged to wandb (offline)
+    assert glob.glob(os.path.join(wandb_run, "*.wandb"))
+    rows = read_metrics(run_dir)
+    assert [row["update"] for row in rows] == list(range(101))
+    assert_finite(rows)
+    for key in COMMON_METRICS + ALGORITHM_METRICS[script] + ["eval/scores", "eval/gold_scores"]:
+        assert key in rows[50], key
+
+    first = rows[1]
+    assert first["episode"] == 64 and rows[-1]["episode"] == 6400
+    kl = "pairs/" if script.startswith("online_dpo") else "objective/"  # DPO: the KL of the trained pairs
+    assert abs(first[kl + "kl"]) < 1e-6  # before the first update the policy is the reference
+    if script.startswith(("rloo", "ppo")):
+        assert abs(first["val/ratio"] - 1) < 1e-5  # one update per batch: the ratio is exactly one
+    if not script.startswith("bok"):
+        scores = "pairs/scores" if script.startswith("online_dpo") else "objective/scores"
+        assert first[kl + "rlhf_reward"] == pytest.approx(first[scores] + first[kl + "non_score_reward"])
+    if script.startswith("online_dpo"):  # k = 2 and scores rarely tie: the pairs are nearly all responses
+        assert first["pairs/scores"] == pytest.approx(first["objective/scores"], abs=0.1)
+    if script.startswith("online_dpo") and "ipo" not in command:  # one micro-batch before the step: log-ratios 0
+        assert first["loss/policy_avg"] == pytest.approx(math.log(2), abs=1e-4)
+        assert abs(first["rewards/margins"]) < 1e-4 and first["objective/scores_margin"] > 0
+    if script.startswith("bok"):
+        assert first["objective/scores_best"] > first["objective/scores"]
+    if script.startswith("ppo"):  # whitened advantages and a ratio of one: the surrogate is zero (no correction yet)
+        assert abs(first["loss/policy_avg"]) < 1e-5 and first["loss/value_avg"] > 0
+    if script.endswith("_vllm.py"):  # the first batch comes from the SFT policy, later ones K = 1 update late
+        assert [row["async/off_policy_steps"] for row in rows[1:]] == [0] + [0 if "--sync" in command else 1] * 99
+        assert all(row["time/weight_save"] > 0 for row in rows[1:3])
+    if "async/mismatch_kl" in rows[1]:
+        # Behaviour (vLLM) against proximal (learner) log-probabilities. In float32, on-policy (K = 0), the two
+        # engines agree: the importance weights are 1. One update late, at this learning rate, they are not.
+        mismatch = [row["async/mismatch_kl"] for row in rows[1:]]
+        ess = [row["async/is_ess"] for row in rows[1:]]
+        if "--sync" in command:
+            assert max(mismatch) < 1e-5 and min(ess) > 1 - 1e-5, (max(mismatch), min(ess))
+            assert all(row["async/is_truncated"] == 0 for row in rows[1:])
+        else:
+            assert max(mismatch[1:]) > 1e-4 and min(ess[1:]) < 0.999, (max(mismatch), min(ess))
+
+    checkpoint = os.path.join(run_dir, "checkpoint-100")
+    model = AutoModelForCausalLM.from_pretrained(checkpoint)
+    sft = AutoModelForCausalLM.from_pretrained(os.path.join(TINY, "sft"))
+    moved = max((p - q).abs().max().item() for p, q in zip(model.parameters(), sft.parameters()))
+    assert moved > 1e-4  # the saved weights are the trained ones
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    assert len(tokenizer) == model.config.vocab_size
+    if script.startswith("ppo"):  # the value model is saved too, and trained
+        value_model = AutoModelForSequenceClassification.from_pretrained(os.path.join(checkpoint, "value_model"))
+        reward_model = AutoModelForSequenceClassification.from_pretrained(os.path.join(TINY, "reward"))
+        assert max((p - q).abs().max().item()
+                   for p, q in zip(value_model.parameters(), reward_model.parameters())) > 1e-5
+
+    evals = [row for row in rows if "eval/scores" in row]
     first, last = evals[0], evals[-1]
     assert first["episode"] == 0 and last["episode"] == 6400
     assert last["eval/scores"] - first["eval/scores"] > proxy_margin, evals
@@ -145,10 +167,13 @@ def test_learning_raises_proxy_and_gold_scores_on_held_out_prompts(tmp_path, com
     assert last["eval/response_length"] > first["eval/response_length"]  # it learned to name more topic words
 
 
-# online_dpo_vllm.py resumes exactly with --sync only: asynchronously, the K batches after a resume
-# are generated by the resumed policy, not by the K older ones (which checkpoints do not keep).
-RESUME = [[script] for script in SCRIPTS if script != "online_dpo_vllm.py"] + [
-    ["online_dpo_vllm.py", "--sync", "--vllm-enforce-eager"]]
+# The *_vllm.py scripts resume exactly with --sync only: asynchronously, the K batches after a resume
+# are generated by the resumed policy, not by the K older ones (which checkpoints do not keep). Their
+# generator, hand-off and checkpoints are the same code in all four (test_shared_helpers.py) and their
+# updates their synchronous siblings' (PPO's value model is resumed in ppo.py's test): RLOO, with the
+# off-policy correction, is run.
+RESUME = [[script] for script in SCRIPTS if not script.endswith("_vllm.py")] + [
+    ["rloo_vllm.py", "--sync", "--vllm-enforce-eager"]]
 
 
 @pytest.mark.parametrize("command", RESUME, ids=[" ".join(c) for c in RESUME])
@@ -198,11 +223,11 @@ def test_one_step_batches_reuse_the_training_forward_and_match_accumulated_micro
             assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), (a["update"], key)
 
 
-# (script, its own arguments, updates of 2 ranks x 32 responses). online_dpo_vllm.py runs 5 updates
-# 2 policies late: batches 4 and 5 come from weights that rank 0 gathered (ZeRO-3) and pushed to vLLM;
-# its DPO update is online_dpo.py's, line for line, so online_dpo.py is not run again here.
+# (script, its own arguments, updates of 2 ranks x 32 responses). rloo_vllm.py runs 5 updates 2 policies
+# late: batches 4 and 5 come from weights that rank 0 gathered (ZeRO-3) and pushed to vLLM, and the
+# off-policy correction weights them; the other *_vllm.py scripts share its generator and hand-off.
 TWO_PROCESS = [("rloo.py", [], 3), ("ppo.py", [], 3),
-               ("online_dpo_vllm.py", ["--off-policy-steps", "2", "--vllm-enforce-eager"], 5)]
+               ("rloo_vllm.py", ["--off-policy-steps", "2", "--vllm-enforce-eager"], 5)]
 
 
 @pytest.mark.parametrize("script, arguments, updates", TWO_PROCESS, ids=[t[0] for t in TWO_PROCESS])
@@ -218,9 +243,11 @@ def test_two_process_deepspeed_zero2_and_zero3_train_the_same_model(tmp_path, sc
         rows = read_metrics(run_dir_of(out))
         assert_finite(rows)
         assert [row["update"] for row in rows] == list(range(updates + 1)) and rows[-1]["episode"] == 64 * updates
-        assert abs(rows[1]["pairs/kl" if script == "online_dpo_vllm.py" else "objective/kl"]) < 1e-6
-        if script == "online_dpo_vllm.py":
+        assert abs(rows[1]["objective/kl"]) < 1e-6
+        if script == "rloo_vllm.py":  # two updates late, the importance weights are no longer 1
             assert [row["async/off_policy_steps"] for row in rows[1:]] == [0, 1, 2, 2, 2]
+            assert rows[1]["async/mismatch_kl"] < 1e-6 and rows[1]["async/is_ess"] > 1 - 1e-6
+            assert all(row["async/mismatch_kl"] > 1e-6 and row["async/is_ess"] < 1 - 1e-6 for row in rows[3:])
         model = AutoModelForCausalLM.from_pretrained(os.path.join(run_dir_of(out), f"checkpoint-{updates}"))
         runs[stage] = rows, dict(model.named_parameters())
     # Same weights, seeds and data: partitioning the parameters (ZeRO-3) changes nothing but
@@ -309,6 +336,10 @@ BAD_INPUT = [  # (script, arguments, the argument the error must name)
     ("online_dpo_vllm.py", ["--vllm-cpu-cores", "100000"], "--vllm-cpu-cores"),
     ("online_dpo_vllm.py", ["--generation-timeout", "0"], "--generation-timeout"),
     ("online_dpo_vllm.py", ["--k", "3"], "--k"),
+    ("rloo_vllm.py", ["--is-cap", "-1"], "--is-cap"),
+    ("ppo_vllm.py", ["--is-cap", "inf"], "--is-cap"),
+    ("ppo_vllm.py", ["--off-policy-steps", "0"], "--off-policy-steps"),
+    ("bok_vllm.py", ["--k", "3"], "--k"),
 ]
 
 
