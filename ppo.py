@@ -527,11 +527,11 @@ class SafeCheckpointEngine(TorchCheckpointEngine):
             return torch.load(path, map_location=map_location, weights_only=True)
 
 
-def save_checkpoint(args, run_dir, update, episode, engines, tokenizer):
+def save_checkpoint(args, run_dir, update, episode, engines, tokenizer, extra_files=None):
     """Write <run_dir>/checkpoint-<update>: every trained model as save_pretrained (the policy at the
     top, any other, such as PPO's value model, in a subdirectory of its name) plus the full
     training state in training_state/ (DeepSpeed's model, optimizer and scheduler state of each
-    engine, and every rank's RNG state).
+    engine, and every rank's RNG state), and rank 0's `extra_files` ({name: JSON-serialisable}).
 
     Everything is written to a temporary directory first and renamed at the end, so an
     interruption never leaves a half-written checkpoint behind."""
@@ -553,6 +553,9 @@ def save_checkpoint(args, run_dir, update, episode, engines, tokenizer):
         with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
             json.dump({"script": os.path.basename(__file__), "update": update, "episode": episode, "args": asdict(args)},
                       f, indent=1)
+        for name, content in (extra_files or {}).items():
+            with open(os.path.join(tmp, name), "w") as f:
+                json.dump(content, f)
     dist.barrier()
     if dist.get_rank() == 0:
         shutil.rmtree(final, ignore_errors=True)

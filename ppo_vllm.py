@@ -21,6 +21,7 @@ K updates of staleness and for the numerical differences between vLLM and the le
 """
 
 import atexit
+import collections
 import contextlib
 import json
 import math
@@ -587,11 +588,11 @@ class SafeCheckpointEngine(TorchCheckpointEngine):
             return torch.load(path, map_location=map_location, weights_only=True)
 
 
-def save_checkpoint(args, run_dir, update, episode, engines, tokenizer):
+def save_checkpoint(args, run_dir, update, episode, engines, tokenizer, extra_files=None):
     """Write <run_dir>/checkpoint-<update>: every trained model as save_pretrained (the policy at the
     top, any other, such as PPO's value model, in a subdirectory of its name) plus the full
     training state in training_state/ (DeepSpeed's model, optimizer and scheduler state of each
-    engine, and every rank's RNG state).
+    engine, and every rank's RNG state), and rank 0's `extra_files` ({name: JSON-serialisable}).
 
     Everything is written to a temporary directory first and renamed at the end, so an
     interruption never leaves a half-written checkpoint behind."""
@@ -613,6 +614,9 @@ def save_checkpoint(args, run_dir, update, episode, engines, tokenizer):
         with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
             json.dump({"script": os.path.basename(__file__), "update": update, "episode": episode, "args": asdict(args)},
                       f, indent=1)
+        for name, content in (extra_files or {}).items():
+            with open(os.path.join(tmp, name), "w") as f:
+                json.dump(content, f)
     dist.barrier()
     if dist.get_rank() == 0:
         shutil.rmtree(final, ignore_errors=True)
@@ -975,6 +979,18 @@ class GeneratedBatch(NamedTuple):
     load_time: float
 
 
+GENERATED_BATCHES = "generated_batches.json"
+
+
+def load_generated_batches(checkpoint):
+    """The batches a checkpoint kept for the updates after it (none from --sync runs or older checkpoints)."""
+    path = os.path.join(checkpoint, GENERATED_BATCHES)
+    if dist.get_rank() != 0 or not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [GeneratedBatch(**batch) for batch in json.load(f)]
+
+
 class Generator:
     """vLLM on rank 0, generating in a background thread while the learner trains.
 
@@ -984,11 +1000,15 @@ class Generator:
     by --generation-timeout; an error in the generator, or the death of vLLM's engine, is raised in the learner."""
 
     def __init__(self, args, llm, *, weights_dir, train_prompts, prompts_per_rank, k, stop_id, first_version,
-                 off_policy_steps):
+                 off_policy_steps, resumed_batches=()):
         self.args, self.llm, self.weights_dir, self.stop_id = args, llm, weights_dir, stop_id
         self.train_prompts, self.prompts_per_rank, self.k = train_prompts, prompts_per_rank, k
         self.first_version, self.off_policy_steps = first_version, off_policy_steps
         self.batches, self.versions = queue.Queue(), queue.Queue()
+        # Batches the learner will take before the queue's: those a checkpoint kept (the thread generates the
+        # batches after them), then those peek() has taken out of the queue.
+        self.ahead = collections.deque(resumed_batches)
+        self.first_update = first_version + 1 + len(self.ahead)
         self.error = None
         self.stopping = threading.Event()
         self.thread = threading.Thread(target=self._run, name="generator", daemon=True)
@@ -1001,7 +1021,16 @@ class Generator:
     def get(self):
         """The next GeneratedBatch, for the learner: raises the generator's error, or the engine's death, as
         soon as either happens."""
+        if self.ahead:
+            return self.ahead.popleft()
         return self._take(self.batches, "a generation batch", check=self._raise_if_generator_failed)
+
+    def peek(self, n):
+        """The next n batches, left for get(): for a checkpoint, which keeps the batches generated for the next K
+        updates (by policies older than the checkpoint's, so they are waited for, not regenerated on resume)."""
+        while len(self.ahead) < n:
+            self.ahead.append(self._take(self.batches, "a generation batch", check=self._raise_if_generator_failed))
+        return list(self.ahead)[:n]
 
     def close(self):
         """Stop the thread and the engine and delete the handed-over weights (safe to call twice)."""
@@ -1034,7 +1063,7 @@ class Generator:
         args, world_size = self.args, self.args.world_size
         try:
             loaded = self.first_version
-            for update in range(self.first_version + 1, args.num_updates + 1):
+            for update in range(self.first_update, args.num_updates + 1):
                 t0 = time.time()
                 while loaded < generating_version(update, self.first_version, self.off_policy_steps):
                     loaded, weights_path = self._take(self.versions, "new weights", check=lambda: None)
@@ -1079,9 +1108,10 @@ if __name__ == "__main__":
     reward_model = frozen_engine(args, load_model(args, args.reward_model_path, tokenizer, reward=True))
     gold_model = frozen_engine(args, load_model(args, args.gold_reward_model_path, tokenizer, reward=True))
 
-    start_update, episode = 0, 0
+    start_update, episode, resumed_batches = 0, 0, []
     if args.resume:
         start_update, episode = load_checkpoint(latest_checkpoint(args.resume), {"policy": policy, "value_model": value_model})
+        resumed_batches = load_generated_batches(latest_checkpoint(args.resume))
 
     # vLLM on rank 0, started from the learner's weights (version start_update: the SFT policy, or
     # the resumed one). Weights move through memory (/dev/shm) when it has room for the K + 1 versions
@@ -1098,7 +1128,7 @@ if __name__ == "__main__":
         shutil.rmtree(os.path.join(weights_dir, f"policy-{start_update}"))
         generator = Generator(args, llm, weights_dir=weights_dir, train_prompts=train_prompts,
                               prompts_per_rank=prompts_per_rank, k=1, stop_id=stop_id, first_version=start_update,
-                              off_policy_steps=off_policy_steps)
+                              off_policy_steps=off_policy_steps, resumed_batches=resumed_batches)
         atexit.register(generator.close)  # on every way out: the end, an error, Ctrl-C, SIGTERM (next line)
         signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
 
@@ -1244,7 +1274,11 @@ if __name__ == "__main__":
         progress.set_postfix(score=f"{metrics['objective/scores']:.3f}", kl=f"{metrics['objective/kl']:.2f}",
                              eps=f"{metrics['time/episodes_per_second']:.0f}")
         if (args.save_every and update % args.save_every == 0) or update == args.num_updates:
-            save_checkpoint(args, run_dir, update, episode, {"policy": policy, "value_model": value_model}, tokenizer)
+            # The batches already generated for the next K updates go into the checkpoint: a resumed run trains
+            # on them as this one will, so that an asynchronous run resumes exactly.
+            ahead = generator.peek(min(off_policy_steps, args.num_updates - update)) if rank == 0 else []
+            save_checkpoint(args, run_dir, update, episode, {"policy": policy, "value_model": value_model}, tokenizer,
+                            extra_files={GENERATED_BATCHES: [batch._asdict() for batch in ahead]})
 
     progress.close()
     if rank == 0:
