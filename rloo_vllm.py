@@ -1101,8 +1101,8 @@ if __name__ == "__main__":
         t1 = time.time()
 
         # 2. Score: log-probabilities under the policy and the reference, reward-model scores. When the batch is
-        #    trained on in one step (one epoch, one micro-batch), the ratio to the sampling policy is exactly 1:
-        #    the policy's log-probabilities come from that step's forward, run here, not from an extra pass.
+        #    trained on in one step (one epoch, one micro-batch), the ratio to the proximal policy (the learner's
+        #    before the update) is exactly 1: its log-probabilities come from that step's forward, run here.
         one_step = args.num_ppo_epochs == 1 and args.per_device_train_batch_size == args.local_batch_size
         logprobs, ref_logprobs, scores = [], [], []
         if one_step:
