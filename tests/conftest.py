@@ -60,9 +60,12 @@ def assert_finite(rows):
 def assert_bad_input(script, arguments, argument):
     """The script must exit 2 within a minute, with exactly one `error: --<argument>: ...` line and no traceback."""
     started = time.time()
-    result = run_script(script, *arguments, check=False)
+    assert_bad_input_result(run_script(script, *arguments, check=False), time.time() - started, argument)
+
+
+def assert_bad_input_result(result, seconds, argument):
     assert result.returncode == 2, result.stderr[-2000:]
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and errors[0].startswith(f"error: {argument}:"), result.stderr[-2000:]
     assert "Traceback" not in result.stderr
-    assert time.time() - started < 60
+    assert seconds < 60
