@@ -484,33 +484,40 @@ def save_checkpoint(args, run_dir, update, episode, engines, tokenizer, extra_fi
     engine, and every rank's RNG state), and rank 0's `extra_files` ({name: JSON-serialisable}).
 
     Everything is written to a temporary directory first and renamed at the end, so an
-    interruption never leaves a half-written checkpoint behind."""
+    interruption never leaves a half-written checkpoint behind; a failed write (a full disk) removes it
+    and ends the run with one line."""
     final = os.path.join(run_dir, f"checkpoint-{update}")
     tmp = final + ".tmp"
-    if dist.get_rank() == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(tmp)
-    dist.barrier()
-    for name, engine in engines.items():
-        engine.save_checkpoint(os.path.join(tmp, "training_state"), tag=name, save_latest=False)
-        state_dict = gathered_state_dict(engine)
+    try:
         if dist.get_rank() == 0:
-            engine.module.save_pretrained(tmp if name == "policy" else os.path.join(tmp, name), state_dict=state_dict)
-    torch.save({"torch": torch.get_rng_state(), "accelerator": get_accelerator().get_rng_state()},
-               os.path.join(tmp, "training_state", f"rng_rank{dist.get_rank()}.pt"))
-    if dist.get_rank() == 0:
-        tokenizer.save_pretrained(tmp)
-        with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
-            json.dump({"script": os.path.basename(__file__), "update": update, "episode": episode, "args": asdict(args)},
-                      f, indent=1)
-        for name, content in (extra_files or {}).items():
-            with open(os.path.join(tmp, name), "w") as f:
-                json.dump(content, f)
-    dist.barrier()
-    if dist.get_rank() == 0:
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
-    dist.barrier()
+            shutil.rmtree(tmp, ignore_errors=True)
+            os.makedirs(tmp)
+        dist.barrier()
+        for name, engine in engines.items():
+            engine.save_checkpoint(os.path.join(tmp, "training_state"), tag=name, save_latest=False)
+            state_dict = gathered_state_dict(engine)
+            if dist.get_rank() == 0:
+                engine.module.save_pretrained(tmp if name == "policy" else os.path.join(tmp, name), state_dict=state_dict)
+        torch.save({"torch": torch.get_rng_state(), "accelerator": get_accelerator().get_rng_state()},
+                   os.path.join(tmp, "training_state", f"rng_rank{dist.get_rank()}.pt"))
+        if dist.get_rank() == 0:
+            tokenizer.save_pretrained(tmp)
+            with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
+                json.dump({"script": os.path.basename(__file__), "update": update, "episode": episode, "args": asdict(args)},
+                          f, indent=1)
+            for name, content in (extra_files or {}).items():
+                with open(os.path.join(tmp, name), "w") as f:
+                    json.dump(content, f)
+        dist.barrier()
+        if dist.get_rank() == 0:
+            shutil.rmtree(final, ignore_errors=True)
+            os.replace(tmp, final)
+        dist.barrier()
+    except (OSError, RuntimeError) as error:  # a full disk: torch.save raises RuntimeError, the rest OSError
+        free = shutil.disk_usage(run_dir).free / 2**20
+        shutil.rmtree(tmp, ignore_errors=True)
+        sys.exit(f"error: could not write {final} ({str(error).splitlines()[0]}; {free:.1f} MiB free on its disk): "
+                 "the partial checkpoint is removed, earlier checkpoints are intact")
 
 
 def latest_checkpoint(path):

@@ -269,6 +269,75 @@ def test_two_process_deepspeed_zero2_and_zero3_train_the_same_model(tmp_path, sc
     assert max((weights3[n] - weights2[n]).abs().max().item() for n in sft) < 1e-5
 
 
+# A signal at any point of an asynchronous run (the vLLM engine starting, or training with batches in flight and
+# a checkpoint written) stops it within seconds, non-zero, leaving no process, weight directory or partial
+# checkpoint. The signal goes to the script alone, as `kill PID` sends it: its engine processes must be ended by it.
+# Both signals take the same path (SIGINT while training and SIGTERM while starting also passed: 30-50 s each).
+KILLS = [(signal.SIGINT, "starting"), (signal.SIGTERM, "training")]
+
+
+@pytest.mark.parametrize("signum, when", KILLS, ids=[f"{s.name} while {w}" for s, w in KILLS])
+def test_a_signal_stops_an_asynchronous_run_and_leaves_nothing_behind(tmp_path, signum, when):
+    import psutil
+    out = tmp_path / "run"
+    with open(tmp_path / "log", "w") as log:
+        process = subprocess.Popen(
+            [sys.executable, "rloo_vllm.py", "--off-policy-steps", "2", "--vllm-enforce-eager", "--total-episodes",
+             "6400", "--save-every", "2", "--eval-every", "1000", "--output-dir", str(out)],
+            cwd=ROOT, env={**os.environ, "WANDB_MODE": "offline"}, stdout=log, stderr=log, start_new_session=True,
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # as in a terminal, not CI's background job
+    try:
+        me, deadline = psutil.Process(process.pid), time.time() + 300
+        def engine_started():
+            try:
+                return any(p.name().startswith("VLLM::") for p in me.children(recursive=True))
+            except psutil.NoSuchProcess:
+                return False
+
+        def ready():
+            if when == "starting":  # vLLM's engine process is up and the first update not yet logged
+                return engine_started() and not glob.glob(f"{out}/*__*/metrics.jsonl")
+            return len(glob.glob(f"{out}/*__*/metrics.jsonl")) and len(read_metrics(run_dir_of(out))) >= 4
+        while not ready():
+            assert process.poll() is None and time.time() < deadline, (tmp_path / "log").read_text()[-3000:]
+            time.sleep(0.2)
+        family = me.children(recursive=True)
+        start = time.time()
+        process.send_signal(signum)
+        returncode = process.wait(timeout=60)
+        took = time.time() - start
+        alive = [p for p in family if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    finally:
+        os.killpg(process.pid, signal.SIGKILL) if process.poll() is None else None
+    assert returncode != 0 and took < 20, (returncode, took, (tmp_path / "log").read_text()[-3000:])
+    assert family and not alive, [p.pid for p in alive]
+    assert not glob.glob(f"/dev/shm/*-{process.pid}-weights") + glob.glob(f"{out}/*__*/*-weights")
+    assert not glob.glob(f"{out}/*__*/*.tmp")
+    if when == "training":
+        assert os.path.isfile(os.path.join(run_dir_of(out), "checkpoint-2", "generated_batches.json"))
+
+
+def test_a_full_disk_while_saving_fails_in_one_line_and_keeps_the_last_checkpoint(tmp_path):
+    """A 16 MiB tmpfs holds the tiny task's first checkpoint (11 MiB) but not a second beside it."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(disk)], check=True)
+    try:
+        result = run_script("rloo.py", "--total-episodes", "256", "--eval-every", "4", "--save-every", "2",
+                            "--output-dir", str(disk), check=False)
+        run_dir = run_dir_of(disk)
+        kept = sorted(os.listdir(run_dir))
+        with open(os.path.join(run_dir, "checkpoint-2", "trainer_state.json")) as f:
+            update = json.load(f)["update"]
+        AutoModelForCausalLM.from_pretrained(os.path.join(run_dir, "checkpoint-2"))
+    finally:
+        subprocess.run(["umount", str(disk)], check=True)
+    errors = re.findall(r"error: .*", result.stderr)  # after the progress bar, on its line
+    assert result.returncode == 1 and len(errors) == 1, result.stderr[-3000:]
+    assert errors[0].startswith(f"error: could not write {run_dir}/checkpoint-4 (") and "MiB free on its disk" in errors[0]
+    assert kept == ["checkpoint-2", "metrics.jsonl"] and update == 2
+
+
 def _bad_path(tmp_path, kind):
     """A path that exists but holds the wrong thing, made under tmp_path/bad."""
     path = tmp_path / "bad" / kind
