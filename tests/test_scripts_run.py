@@ -228,23 +228,52 @@ def test_one_step_batches_reuse_the_training_forward_and_match_accumulated_micro
             assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), (a["update"], key)
 
 
-# (script, its own arguments, updates of 2 ranks x 32 responses). rloo_vllm.py runs 5 updates 2 policies
-# late: batches 4 and 5 come from weights that rank 0 gathered (ZeRO-3) and pushed to vLLM, and the
-# off-policy correction weights them; the other *_vllm.py scripts share its generator and hand-off.
-TWO_PROCESS = [("rloo.py", [], 3), ("ppo.py", [], 3),
-               ("rloo_vllm.py", ["--off-policy-steps", "2", "--vllm-enforce-eager"], 5)]
+def launch_two_processes(tmp_path, port, command, nodes):
+    """`deepspeed` with two processes: on one node, or on two nodes of one process each, started as on a
+    cluster without ssh (one launcher per node with --no_ssh, its --node_rank and node 0's address; here both
+    on the loopback address). Returns each node's output."""
+    if nodes == 1:
+        return [run([DEEPSPEED, "--num_accelerators", "2", "--master_port", str(port), *command]).stdout]
+    hostfile, logs = tmp_path / "hostfile", [tmp_path / f"node{rank}.log" for rank in (0, 1)]
+    hostfile.write_text("node0 slots=1\nnode1 slots=1\n")
+    launchers = []
+    try:
+        for rank, log in enumerate(logs):
+            with open(log, "w") as f:
+                launchers.append(subprocess.Popen(
+                    [DEEPSPEED, "--hostfile", str(hostfile), "--no_ssh", "--node_rank", str(rank), "--master_addr",
+                     "127.0.0.1", "--master_port", str(port), *command], cwd=ROOT, stdout=f, stderr=subprocess.STDOUT,
+                    env={**os.environ, "WANDB_MODE": "offline", "TOKENIZERS_PARALLELISM": "false"}))
+        codes = [launcher.wait(timeout=600) for launcher in launchers]
+    finally:
+        for launcher in launchers:
+            launcher.kill() if launcher.poll() is None else None
+    outputs = [log.read_text() for log in logs]
+    assert codes == [0, 0], [output[-3000:] for output in outputs]
+    return outputs
 
 
-@pytest.mark.parametrize("script, arguments, updates", TWO_PROCESS, ids=[t[0] for t in TWO_PROCESS])
-def test_two_process_deepspeed_zero2_and_zero3_train_the_same_model(tmp_path, script, arguments, updates):
+# (script, its own arguments, updates of 2 ranks x 32 responses, whether ZeRO-3 runs on two nodes). rloo_vllm.py
+# runs 5 updates 2 policies late: batches 4 and 5 come from weights that rank 0 gathered (ZeRO-3) and pushed to
+# vLLM, and the off-policy correction weights them; the other *_vllm.py scripts share its generator and hand-off.
+# Two nodes of one process each must train as one node of two does: the same numbers, vLLM on node 0 alone.
+TWO_PROCESS = [("rloo.py", [], 3, True), ("ppo.py", [], 3, False),
+               ("rloo_vllm.py", ["--off-policy-steps", "2", "--vllm-enforce-eager"], 5, True)]
+
+
+@pytest.mark.parametrize("script, arguments, updates, two_nodes", TWO_PROCESS, ids=[t[0] for t in TWO_PROCESS])
+def test_two_process_deepspeed_zero2_and_zero3_train_the_same_model(tmp_path, script, arguments, updates, two_nodes):
     runs = {}
     for stage in (2, 3):
         out, port = tmp_path / f"zero{stage}", free_port()
-        run([DEEPSPEED, "--num_accelerators", "2", "--master_port", str(port), script, *arguments, "--deepspeed-config",
-             f"ds_configs/zero{stage}.json", "--per-device-train-batch-size", "32", "--total-episodes",
-             str(64 * updates), "--output-dir", str(out)])
+        nodes = 2 if two_nodes and stage == 3 else 1
+        outputs = launch_two_processes(tmp_path, port, [
+            script, *arguments, "--deepspeed-config", f"ds_configs/zero{stage}.json", "--per-device-train-batch-size",
+            "32", "--total-episodes", str(64 * updates), "--output-dir", str(out)], nodes)
         for left in glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_*_{port}_*"):  # DeepSpeed's CPU op leaves 64 MB a rank
             os.remove(left)
+        if script == "rloo_vllm.py" and nodes == 2:  # the engine runs on node 0's rank 0 alone
+            assert "EngineCore" in outputs[0] and "EngineCore" not in outputs[1]
         rows = read_metrics(run_dir_of(out))
         assert_finite(rows)
         assert [row["update"] for row in rows] == list(range(updates + 1)) and rows[-1]["episode"] == 64 * updates
