@@ -226,12 +226,14 @@ def check_model(args, argument, reward=False):
 
 
 def check_numbers(args):
-    """Every number argument is finite, and the learning rate is positive."""
+    """Every number argument is finite, the learning rate positive and the seed one that every generator takes."""
     for name, value in asdict(args).items():
         if isinstance(value, float) and not math.isfinite(value):
             fail(name, f"must be a finite number, got {value}")
     if args.learning_rate <= 0:
         fail("learning_rate", f"must be positive, got {args.learning_rate}")
+    if not 0 <= args.seed < 2**31:  # vLLM's per-batch seeds are seed * 2**32 + an offset: under 2**64
+        fail("seed", f"must be in [0, 2**31), got {args.seed}")
 
 
 def check_files(args):

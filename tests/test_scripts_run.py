@@ -443,6 +443,7 @@ BAD_INPUT = [  # (script, arguments, the argument the error must name)
     ("ppo_vllm.py", ["--is-cap", "inf"], "--is-cap"),
     ("ppo_vllm.py", ["--off-policy-steps", "0"], "--off-policy-steps"),
     ("bok_vllm.py", ["--k", "3"], "--k"),
+    ("rloo_vllm.py", ["--seed", str(2**32)], "--seed"),  # would overflow vLLM's sampling seed after loading
 ]
 
 
