@@ -18,6 +18,7 @@ import contextlib
 import json
 import math
 import os
+import re
 import shutil
 import socket
 import sys
@@ -59,14 +60,18 @@ class Args:
 
     sft_model_path: str = "assets/tiny/sft"
     """policy and reference model: a local directory or a hub id"""
-    reward_model_path: str = "assets/tiny/reward"
-    """reward model (AutoModelForSequenceClassification with one label) used for training"""
+    reward_model_path: Optional[str] = "assets/tiny/reward"
+    """reward model (AutoModelForSequenceClassification with one label) used for training; not loaded with --rule-reward"""
     gold_reward_model_path: Optional[str] = "assets/tiny/gold_reward"
-    """optional reward model used only for evaluation (eval/gold_scores); None to skip"""
+    """optional reward model used only for evaluation (eval/gold_scores); None to skip; not loaded with --rule-reward"""
+    rule_reward: Optional[str] = None
+    """score with a rule instead of a reward model: `last_number` (GSM8K's: 1 if the response's last number is the answer, else 0)"""
+    answer_column: str = "answer"
+    """with --rule-reward: the dataset column holding each prompt's answer"""
     trust_remote_code: bool = False
     """allow models and tokenizers to run code from their repository"""
     dataset_name: str = "assets/tiny/data"
-    """dataset with a `query` column of prompts: a local directory or a hub id"""
+    """dataset whose prompts are a `query` column of text or a `messages` column of chats: a local directory or a hub id"""
     dataset_train_split: str = "train"
     """split to train on"""
     dataset_eval_split: str = "test"
@@ -155,9 +160,7 @@ def validate(args):
     check_files(args)
     check_numbers(args)
     check_model(args, "sft_model_path")
-    check_model(args, "reward_model_path", reward=True)
-    if args.gold_reward_model_path is not None:
-        check_model(args, "gold_reward_model_path", reward=True)
+    check_rewards(args)
     check_resume(args)
     config = AutoConfig.from_pretrained(args.sft_model_path, trust_remote_code=args.trust_remote_code)
     positions = getattr(config, "max_position_embeddings", None)
@@ -225,6 +228,20 @@ def check_model(args, argument, reward=False):
                        "not a ...ForSequenceClassification")
 
 
+def check_rewards(args):
+    """A reward model (and an optional gold one), or with --rule-reward a known rule and no reward models."""
+    if args.rule_reward is not None:
+        if args.rule_reward not in RULE_REWARDS:
+            fail("rule_reward", f"must be one of {sorted(RULE_REWARDS)}, got {args.rule_reward!r}")
+        args.reward_model_path = args.gold_reward_model_path = None  # the rule scores; no model is loaded
+        return
+    if args.reward_model_path is None:
+        fail("reward_model_path", "required unless --rule-reward names a rule")
+    check_model(args, "reward_model_path", reward=True)
+    if args.gold_reward_model_path is not None:
+        check_model(args, "gold_reward_model_path", reward=True)
+
+
 def check_numbers(args):
     """Every number argument is finite, the learning rate positive and the seed one that every generator takes."""
     for name, value in asdict(args).items():
@@ -265,25 +282,44 @@ def check_resume(args):
 
 
 def load_prompts(args, tokenizer):
-    """Tokenised prompts of the train and eval splits (lists of token-id lists)."""
+    """Tokenised prompts of the train and eval splits (lists of token-id lists) and, with --rule-reward, their
+    answers (else Nones). A prompt is the `query` column's text, or the `messages` column's chat rendered with
+    the tokenizer's chat template and the generation prompt (a last assistant turn, the reference reply, is
+    left out, as in No Robots)."""
     if not os.path.exists(args.dataset_name) and args.dataset_name.count("/") != 1:
         fail("dataset_name", f"no such directory: {args.dataset_name}")
     try:
         dataset = load_dataset(args.dataset_name)
     except (OSError, ValueError) as error:  # an unreadable file, an empty split, ...
         fail("dataset_name", f"cannot load {args.dataset_name}: {str(error).splitlines()[0]}")
-    splits = {}
+    prompts, answers = {}, {}
     for argument in ("dataset_train_split", "dataset_eval_split"):
         split = getattr(args, argument)
         if split not in dataset:
             fail(argument, f"dataset {args.dataset_name} has no split {split!r} (it has {sorted(dataset)})")
-        if "query" not in dataset[split].column_names:
-            fail("dataset_name", f"split {split!r} has no `query` column (it has {dataset[split].column_names})")
+        columns = dataset[split].column_names
+        if "query" not in columns and "messages" not in columns:
+            fail("dataset_name", f"split {split!r} has no `query` or `messages` column (it has {columns})")
+        if args.rule_reward is not None and args.answer_column not in columns:
+            fail("answer_column", f"split {split!r} of {args.dataset_name} has no {args.answer_column!r} column "
+                                  f"(it has {columns})")
         if len(dataset[split]) == 0:
             fail(argument, f"split {split!r} of {args.dataset_name} is empty")
-        ids = tokenizer(list(dataset[split]["query"]), add_special_tokens=False)["input_ids"]
-        splits[argument] = [q[-args.max_prompt_length:] for q in ids]
-    return splits["dataset_train_split"], splits["dataset_eval_split"]
+        if "query" in columns:
+            texts = list(dataset[split]["query"])
+        elif tokenizer.chat_template is None:
+            fail("dataset_name", f"split {split!r} holds `messages` but the tokenizer of {args.sft_model_path} "
+                                 "has no chat template")
+        else:
+            texts = [tokenizer.apply_chat_template(chat[:-1] if chat[-1]["role"] == "assistant" else chat,
+                                                   tokenize=False, add_generation_prompt=True)
+                     for chat in dataset[split]["messages"]]
+        ids = tokenizer(texts, add_special_tokens=False)["input_ids"]  # a template's BOS is in its text
+        prompts[argument] = [q[-args.max_prompt_length:] for q in ids]
+        answers[argument] = ([str(a) for a in dataset[split][args.answer_column]] if args.rule_reward is not None
+                             else [None] * len(ids))
+    return (prompts["dataset_train_split"], prompts["dataset_eval_split"], answers["dataset_train_split"],
+            answers["dataset_eval_split"])
 
 
 def load_tokenizer(path, trust_remote_code):
@@ -389,6 +425,29 @@ def reward_scores(model, query_responses, pad_token_id):
     return forward(model, query_responses, pad_token_id).logits[:, 0].float()
 
 
+def last_number_reward(response, answer):
+    """GSM8K's rule: 1.0 when the last number in the response equals the last number of the answer (of the
+    text after `####` in GSM8K's answer column), else 0.0; commas in numbers are ignored."""
+    numbers = [re.findall(r"-?\d[\d,]*(?:\.\d+)?", text) for text in (response, answer.split("####")[-1])]
+    if not numbers[0] or not numbers[1]:
+        return 0.0
+    return float(float(numbers[0][-1].replace(",", "")) == float(numbers[1][-1].replace(",", "")))
+
+
+RULE_REWARDS = {"last_number": last_number_reward}  # the rules --rule-reward names; add yours here
+
+
+@torch.no_grad()
+def score_responses(args, reward_model, query_responses, context_length, answers, tokenizer):
+    """One score per response: the reward model's, or with --rule-reward the rule's on the response's text and
+    the prompt's answer."""
+    if args.rule_reward is None:
+        return reward_scores(reward_model, query_responses, tokenizer.pad_token_id)
+    texts = tokenizer.batch_decode(query_responses[:, context_length:], skip_special_tokens=True)
+    rule = RULE_REWARDS[args.rule_reward]
+    return torch.tensor([rule(text, answer) for text, answer in zip(texts, answers)], device=query_responses.device)
+
+
 def apply_missing_eos_penalty(scores, responses, stop_token_id, penalty, mode):
     """The score of a response without a stop token: `add` the penalty to it (TRL), or `replace` it by the
     penalty (the paper's code)."""
@@ -421,10 +480,12 @@ def unwrapped_for_generation(engine):
 
 
 @torch.no_grad()
-def evaluate(args, policy, reward_model, gold_model, eval_prompts, tokenizer, stop_id, device):
-    """Greedy responses to held-out prompts, scored by the reward model (and the gold model)."""
+def evaluate(args, policy, reward_model, gold_model, eval_prompts, eval_answers, tokenizer, stop_id, device):
+    """Greedy responses to held-out prompts, scored by the reward model (and the gold model) or the rule (with
+    `last_number`, eval/scores is the accuracy)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     prompts = eval_prompts[: args.num_eval_prompts][rank::world]
+    answers = eval_answers[: args.num_eval_prompts][rank::world]
     sums = torch.zeros(4, dtype=torch.float64, device=device)  # on the device: NCCL reduces only CUDA tensors
     samples = []
     for start in range(0, len(prompts), args.per_device_train_batch_size):
@@ -433,7 +494,8 @@ def evaluate(args, policy, reward_model, gold_model, eval_prompts, tokenizer, st
             responses = generate(model, queries, tokenizer.pad_token_id, stop_id, args.response_length)
         responses = truncate_response(responses, stop_id, tokenizer.pad_token_id)
         query_responses = torch.cat([queries, responses], 1)
-        scores = reward_scores(reward_model, query_responses, tokenizer.pad_token_id)
+        scores = score_responses(args, reward_model, query_responses, queries.shape[1],
+                                 answers[start: start + args.per_device_train_batch_size], tokenizer)
         gold = reward_scores(gold_model, query_responses, tokenizer.pad_token_id) if gold_model else scores * 0
         sums += torch.stack([scores.sum(), gold.sum(), (responses != tokenizer.pad_token_id).sum(),
                              torch.tensor(len(scores), device=device)]).double()
@@ -590,21 +652,22 @@ def set_up_distributed(args):
 
 
 def load_data(args, prompts_per_rank):
-    """The tokenizer, the stop token's id and the tokenised train and eval prompts, checked (with the reward
-    models' tokenizers) before any model is loaded."""
+    """The tokenizer, the stop token's id, the tokenised train and eval prompts and their answers (Nones without
+    --rule-reward), checked (with the reward models' tokenizers) before any model is loaded."""
     tokenizer = load_tokenizer(args.sft_model_path, args.trust_remote_code)
     stop_id = stop_token_id(args, tokenizer)
-    train_prompts, eval_prompts = load_prompts(args, tokenizer)
+    train_prompts, eval_prompts, train_answers, eval_answers = load_prompts(args, tokenizer)
     if len(train_prompts) < prompts_per_rank * args.world_size:
         fail("per_device_train_batch_size", f"a batch needs {prompts_per_rank * args.world_size} prompts; "
                                             f"the train split has {len(train_prompts)}")
-    if load_tokenizer(args.reward_model_path, args.trust_remote_code).get_vocab() != tokenizer.get_vocab():
+    if (args.reward_model_path and load_tokenizer(args.reward_model_path, args.trust_remote_code).get_vocab()
+            != tokenizer.get_vocab()):
         fail("reward_model_path", "the reward model's tokenizer differs from the policy's")
     if (args.gold_reward_model_path and load_tokenizer(args.gold_reward_model_path, args.trust_remote_code).get_vocab()
             != tokenizer.get_vocab()):
         fail("gold_reward_model_path", "the gold reward model's tokenizer differs from the policy's "
                                        "(evaluate.py scores such a model on re-tokenised text)")
-    return tokenizer, stop_id, train_prompts, eval_prompts
+    return tokenizer, stop_id, train_prompts, eval_prompts, train_answers, eval_answers
 
 
 def run_directory(args):
@@ -704,7 +767,7 @@ if __name__ == "__main__":
     validate(args)
     rank, device = set_up_distributed(args)
     prompts_per_rank = args.local_batch_size // args.k
-    tokenizer, stop_id, train_prompts, eval_prompts = load_data(args, prompts_per_rank)
+    tokenizer, stop_id, train_prompts, eval_prompts, train_answers, eval_answers = load_data(args, prompts_per_rank)
     run_name, run_dir = run_directory(args)
 
     # Models and DeepSpeed engines: the policy trains; the reference and reward models only run forward.
@@ -725,7 +788,8 @@ if __name__ == "__main__":
     pad = tokenizer.pad_token_id
     progress = tqdm(total=args.num_updates * args.batch_size, initial=episode, unit="ep", disable=rank != 0)
     if not args.resume:  # the curves start from the SFT policy
-        eval_metrics, samples = evaluate(args, policy, reward_model, gold_model, eval_prompts, tokenizer, stop_id, device)
+        eval_metrics, samples = evaluate(args, policy, reward_model, gold_model, eval_prompts, eval_answers, tokenizer,
+                                         stop_id, device)
         run_log.log(0, {**eval_metrics, "episode": 0}, samples)
     start_time, start_episode = time.time(), episode
     for update in range(start_update + 1, args.num_updates + 1):
@@ -733,6 +797,7 @@ if __name__ == "__main__":
         t0 = time.time()
         indices = prompt_batch(len(train_prompts), prompts_per_rank, update - 1, args.seed, rank, args.world_size)
         queries = left_pad([train_prompts[i] for i in indices], pad, device).repeat(args.k, 1)
+        answers = [train_answers[i] for i in indices] * args.k  # the k blocks of queries
         context_length = queries.shape[1]
         with unwrapped_for_generation(policy) as model:
             responses = generate(model, queries, pad, stop_id, args.response_length, args.temperature)
@@ -751,7 +816,8 @@ if __name__ == "__main__":
                                                   context_length, args.temperature))
                 ref_logprobs.append(response_logprobs(forward(ref_policy, chunk, pad).logits, chunk_responses,
                                                       context_length, args.temperature))
-                scores.append(reward_scores(reward_model, chunk, pad))
+                scores.append(score_responses(args, reward_model, chunk, context_length,
+                                              answers[i: i + args.per_device_train_batch_size], tokenizer))
         logprobs = torch.cat(logprobs).masked_fill(padding_mask, 0.0)
         ref_logprobs = torch.cat(ref_logprobs).masked_fill(padding_mask, 0.0)
         raw_scores = torch.cat(scores)
@@ -810,7 +876,8 @@ if __name__ == "__main__":
                         "time/episodes_per_second": (episode - start_episode) / (time.time() - start_time)})
         samples = None
         if (args.eval_every and update % args.eval_every == 0) or update == args.num_updates:
-            eval_metrics, samples = evaluate(args, policy, reward_model, gold_model, eval_prompts, tokenizer, stop_id, device)
+            eval_metrics, samples = evaluate(args, policy, reward_model, gold_model, eval_prompts, eval_answers, tokenizer,
+                                             stop_id, device)
             metrics.update(eval_metrics)
             if rank == 0:
                 tqdm.write(f"update {update}: " + ", ".join(f"{k} {v:.3f}" for k, v in eval_metrics.items()))

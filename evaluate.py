@@ -7,6 +7,8 @@ responses. Reported per checkpoint:
 - win rate: the share of prompts whose response the gold model scores strictly higher than the
   reference (the paper's definition: ties lose);
 - gold score: the mean gold score of the responses (and its margin over the references');
+- accuracy, instead of both with `--rule-reward last_number` (the math task, the paper's GSM8K
+  metric): the share of greedy (`--temperature 0`) responses whose last number is the answer;
 - KL: the policy's KL to the SFT model on its own samples, drawn at the training temperature
   (0.7) and summed over response tokens, as the training scripts log objective/kl;
 - perplexity: the paper's "KL (perplexity)", the SFT model's perplexity on the evaluated
@@ -20,11 +22,14 @@ checkpoints) or from HF generation (`--backend hf`).
         --gold-reward-model-path cleanrl/EleutherAI_pythia-6.9b-deduped__reward__tldr \\
         --dataset-name vwxyzjn/summarize_from_feedback_tldr_3_filtered_oai_preprocessing_1706381144 \\
         --dataset-eval-split validation --max-prompt-length 512 --response-length 53
+    python evaluate.py --checkpoints runs/rloo__1__1700000000 --sft-model-path assets/tiny_math/sft \
+        --dataset-name assets/tiny_math/data --rule-reward last_number --temperature 0 --response-length 8
 """
 
 import importlib.util
 import json
 import os
+import re
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -44,7 +49,11 @@ class Args:
     sft_model_path: str = "assets/tiny/sft"
     """policy and reference model: a local directory or a hub id"""
     gold_reward_model_path: Optional[str] = "assets/tiny/gold_reward"
-    """optional reward model used only for evaluation (eval/gold_scores); None to skip"""
+    """gold reward model of the win rate; not loaded with --rule-reward"""
+    rule_reward: Optional[str] = None
+    """score with a rule instead of a gold model and report accuracy: `last_number` (GSM8K's: 1 if the response's last number is the answer, else 0)"""
+    answer_column: str = "answer"
+    """with --rule-reward: the dataset column holding each prompt's answer"""
     trust_remote_code: bool = False
     """allow models and tokenizers to run code from their repository"""
     dataset_name: str = "assets/tiny/data"
@@ -52,7 +61,7 @@ class Args:
     dataset_eval_split: str = "test"
     """split to evaluate on"""
     reference_column: str = "reference_response"
-    """column of the dataset's reference responses (the text after the prompt)"""
+    """column of the dataset's reference responses (the text after the prompt); not read with --rule-reward"""
     num_eval_prompts: int = 0
     """evaluate on the first this many prompts of the split (0: all, as the paper)"""
     max_prompt_length: int = 64
@@ -60,7 +69,7 @@ class Args:
     response_length: int = 16
     """number of tokens to sample for each response"""
     temperature: float = 0.01
-    """temperature of the evaluated responses (near-greedy, as in the paper)"""
+    """temperature of the evaluated responses (near-greedy, as in the paper's TL;DR; 0: greedy, as for GSM8K)"""
     kl_temperature: float = 0.7
     """temperature of the samples on which the KL to the SFT model is estimated (the training temperature)"""
     stop_token: str = "eos"
@@ -101,12 +110,18 @@ def validate(args):
         fail("checkpoints", "required: a run directory, a checkpoint or a model")
     check_model_path("checkpoints", args.checkpoints)
     check_model(args, "sft_model_path")
-    if args.gold_reward_model_path is None:
+    if args.rule_reward is not None:
+        if args.rule_reward not in RULE_REWARDS:
+            fail("rule_reward", f"must be one of {sorted(RULE_REWARDS)}, got {args.rule_reward!r}")
+        args.gold_reward_model_path = None  # the rule scores; no model is loaded
+    elif args.gold_reward_model_path is None:
         fail("gold_reward_model_path", "required: the win rate is measured with a gold reward model")
-    check_model(args, "gold_reward_model_path", reward=True)
-    for name in ("temperature", "kl_temperature"):
-        if getattr(args, name) <= 0:
-            fail(name, f"must be positive, got {getattr(args, name)}")
+    else:
+        check_model(args, "gold_reward_model_path", reward=True)
+    if args.temperature < 0:
+        fail("temperature", f"must be 0 (greedy) or more, got {args.temperature}")
+    if args.kl_temperature <= 0:
+        fail("kl_temperature", f"must be positive, got {args.kl_temperature}")
     for name in ("response_length", "max_prompt_length", "per_device_eval_batch_size"):
         if getattr(args, name) < 1:
             fail(name, f"must be at least 1, got {getattr(args, name)}")
@@ -140,7 +155,8 @@ def find_checkpoints(path):
 
 
 def load_eval_data(args, tokenizer, stop_id):
-    """Tokenised prompts and reference responses (with the stop token appended) of the eval split."""
+    """Tokenised prompts of the eval split and, with --rule-reward, their answers, else the reference responses
+    (with the stop token appended)."""
     if not os.path.exists(args.dataset_name) and args.dataset_name.count("/") != 1:
         fail("dataset_name", f"no such directory: {args.dataset_name}")
     try:
@@ -151,13 +167,16 @@ def load_eval_data(args, tokenizer, stop_id):
         fail("dataset_eval_split", f"dataset {args.dataset_name} has no split {args.dataset_eval_split!r} "
                                    f"(it has {sorted(dataset)})")
     split = dataset[args.dataset_eval_split]
-    for column, argument in (("query", "dataset_name"), (args.reference_column, "reference_column")):
+    needed = (args.answer_column, "answer_column") if args.rule_reward else (args.reference_column, "reference_column")
+    for column, argument in (("query", "dataset_name"), needed):
         if column not in split.column_names:
             fail(argument, f"split {args.dataset_eval_split!r} has no {column!r} column (it has {split.column_names})")
     if args.num_eval_prompts:
         split = split.select(range(min(args.num_eval_prompts, len(split))))
     prompts = [q[-args.max_prompt_length:] for q in
                tokenizer(list(split["query"]), add_special_tokens=False)["input_ids"]]
+    if args.rule_reward:
+        return prompts, [str(a) for a in split[args.answer_column]]
     references = [r[: args.response_length - 1] + [stop_id] if stop_id not in r[: args.response_length] else
                   r[: r.index(stop_id) + 1] for r in
                   tokenizer(list(split[args.reference_column]), add_special_tokens=False)["input_ids"]]
@@ -192,9 +211,9 @@ def score(args, models, prompts, responses, tokenizers, device):
         chunk = responses[i: i + args.per_device_eval_batch_size]
         context_length, mask = queries.shape[1], chunk != pad
         query_responses = torch.cat([queries, chunk], 1)
-        if gold_tokenizer is None:
+        if models["gold"] is not None and gold_tokenizer is None:  # (no gold model with --rule-reward)
             out["gold"].append(reward_scores(models["gold"], query_responses, pad))
-        else:  # another vocabulary (the paper's gold model): the same text, in the gold model's tokens
+        elif models["gold"] is not None:  # another vocabulary (the paper's gold model): the text in its tokens
             texts = [tokenizer.decode(row[row != pad]) for row in query_responses]
             gold_ids = gold_tokenizer(texts, add_special_tokens=False)["input_ids"]
             out["gold"].append(reward_scores(models["gold"], left_pad(gold_ids, gold_tokenizer.pad_token_id, device),
@@ -209,7 +228,9 @@ def score(args, models, prompts, responses, tokenizers, device):
     return {name: torch.cat(values).float() for name, values in out.items() if values}
 
 
-def evaluate_checkpoint(args, models, llm, prompts, reference_gold, tokenizers, stop_id, device):
+def evaluate_checkpoint(args, models, llm, prompts, reference, tokenizers, stop_id, device):
+    """The paper's metrics of one policy. `reference` holds the references' gold scores or, with --rule-reward,
+    the answers: then the rule's mean score on the evaluated responses is the accuracy."""
     tokenizer = tokenizers[0]
     pad = tokenizer.pad_token_id
     responses = sample(args, models["policy"], llm, prompts, tokenizer, stop_id, args.temperature, args.seed, device)
@@ -217,16 +238,20 @@ def evaluate_checkpoint(args, models, llm, prompts, reference_gold, tokenizers, 
                         args.seed + 1, device)
     evaluated = score(args, {"gold": models["gold"], "sft": models["sft"]}, prompts, responses, tokenizers, device)
     sampled = score(args, models, prompts, kl_samples, tokenizers, device)
-    gold = evaluated["gold"]
+    if args.rule_reward:
+        texts = tokenizer.batch_decode(responses, skip_special_tokens=True)
+        gold = torch.tensor([RULE_REWARDS[args.rule_reward](text, answer) for text, answer in zip(texts, reference)])
+        metrics = {"accuracy": gold.mean().item()}
+    else:
+        gold = evaluated["gold"]
+        metrics = {"win_rate": (gold > reference).float().mean().item(), "gold_score": gold.mean().item(),
+                   "gold_margin": (gold - reference).mean().item()}
     perplexity = torch.exp(evaluated["sft_nll"] / evaluated["length"].clamp(min=1))
-    metrics = {
-        "win_rate": (gold > reference_gold).float().mean().item(),
-        "gold_score": gold.mean().item(),
-        "gold_margin": (gold - reference_gold).mean().item(),
+    metrics.update({
         "kl": (sampled["policy_logprob"] - sampled["sft_logprob"]).mean().item(),
         "perplexity": perplexity.mean().item(),
         "response_length": evaluated["length"].mean().item(),
-    }
+    })
     samples = [[tokenizer.decode(prompts[i]), tokenizer.decode(responses[i][responses[i] != pad]), round(gold[i].item(), 3)]
                for i in range(min(4, len(prompts)))]
     return metrics, samples
@@ -483,6 +508,18 @@ def response_logprobs(logits, responses, context_length, temperature):
     return torch.log_softmax(logits, dim=-1).gather(-1, responses.unsqueeze(-1)).squeeze(-1)
 
 
+def last_number_reward(response, answer):
+    """GSM8K's rule: 1.0 when the last number in the response equals the last number of the answer (of the
+    text after `####` in GSM8K's answer column), else 0.0; commas in numbers are ignored."""
+    numbers = [re.findall(r"-?\d[\d,]*(?:\.\d+)?", text) for text in (response, answer.split("####")[-1])]
+    if not numbers[0] or not numbers[1]:
+        return 0.0
+    return float(float(numbers[0][-1].replace(",", "")) == float(numbers[1][-1].replace(",", "")))
+
+
+RULE_REWARDS = {"last_number": last_number_reward}  # the rules --rule-reward names; add yours here
+
+
 @torch.no_grad()
 def reward_scores(model, query_responses, pad_token_id):
     """One score per sequence, read at its last non-pad token."""
@@ -522,18 +559,19 @@ if __name__ == "__main__":
 
     tokenizer = load_tokenizer(args.sft_model_path, args.trust_remote_code)
     stop_id = stop_token_id(args, tokenizer)
-    prompts, references = load_eval_data(args, tokenizer, stop_id)
-    gold_tokenizer = load_tokenizer(args.gold_reward_model_path, args.trust_remote_code)
-    if gold_tokenizer.get_vocab() == tokenizer.get_vocab():
+    prompts, references = load_eval_data(args, tokenizer, stop_id)  # with --rule-reward: the answers
+    gold_tokenizer = args.gold_reward_model_path and load_tokenizer(args.gold_reward_model_path, args.trust_remote_code)
+    if gold_tokenizer and gold_tokenizer.get_vocab() == tokenizer.get_vocab():
         gold_tokenizer = None  # the gold model reads the policy's tokens as they are
     output = args.output or os.path.join(args.checkpoints if os.path.isdir(args.checkpoints) else ".",
                                          "evaluation.json")
 
-    models = {"sft": load_model(args, args.sft_model_path, tokenizer).to(device),
-              "gold": load_model(args, args.gold_reward_model_path, gold_tokenizer or tokenizer, reward=True).to(device)}
+    gold = load_model(args, args.gold_reward_model_path, gold_tokenizer or tokenizer, reward=True)
+    models = {"sft": load_model(args, args.sft_model_path, tokenizer).to(device), "gold": gold and gold.to(device)}
     pad = tokenizer.pad_token_id
     tokenizers = (tokenizer, gold_tokenizer)
-    reference_gold = score(args, models, prompts, right_pad(references, pad, device), tokenizers, device)["gold"]
+    reference = references if args.rule_reward else score(args, models, prompts, right_pad(references, pad, device),
+                                                           tokenizers, device)["gold"]
 
     if args.track:
         import wandb
@@ -542,10 +580,14 @@ if __name__ == "__main__":
                    name=f"evaluate__{os.path.basename(os.path.abspath(args.checkpoints))}__{int(time.time())}")
     llm = None
     results = {}
-    print(f"{len(prompts)} prompts, {args.backend} generation; references: gold score "
-          f"{reference_gold.mean().item():.3f}" + ("" if gold_tokenizer is None else
-                                                   " (the gold model scores the text in its own tokens)"), flush=True)
-    print(f"{'checkpoint':<40}{'update':>8}{'win rate':>10}{'gold':>9}{'KL':>9}{'perplexity':>12}{'length':>8}")
+    if args.rule_reward:
+        print(f"{len(prompts)} prompts, {args.backend} generation; accuracy by the rule {args.rule_reward}", flush=True)
+    else:
+        print(f"{len(prompts)} prompts, {args.backend} generation; references: gold score "
+              f"{reference.mean().item():.3f}" + ("" if gold_tokenizer is None else
+                                                  " (the gold model scores the text in its own tokens)"), flush=True)
+    columns = (["accuracy"] if args.rule_reward else ["win_rate", "gold_score"]) + ["kl", "perplexity", "response_length"]
+    print(f"{'checkpoint':<40}{'update':>8}" + "".join(f"{column:>16}" for column in columns))
     try:
         for checkpoint in checkpoints:
             policy = load_model(args, checkpoint, tokenizer).to(device)
@@ -554,13 +596,12 @@ if __name__ == "__main__":
                     llm = start_vllm(args, checkpoint)
                 else:
                     load_into_vllm(llm, checkpoint)
-            metrics, samples = evaluate_checkpoint(args, {**models, "policy": policy}, llm, prompts, reference_gold,
+            metrics, samples = evaluate_checkpoint(args, {**models, "policy": policy}, llm, prompts, reference,
                                                    tokenizers, stop_id, device)
             update = update_of(checkpoint)
             results[checkpoint] = {"update": update, **metrics}
             print(f"{os.path.basename(checkpoint.rstrip('/')):<40}{'' if update is None else update:>8}"
-                  f"{metrics['win_rate']:>10.3f}{metrics['gold_score']:>9.3f}{metrics['kl']:>9.3f}"
-                  f"{metrics['perplexity']:>12.4f}{metrics['response_length']:>8.2f}", flush=True)
+                  + "".join(f"{metrics[column]:>16.4f}" for column in columns), flush=True)
             if args.track:
                 wandb.log({**{f"eval/{k}": v for k, v in metrics.items()}, "update": update or 0,
                            "eval/samples": wandb.Table(columns=["query", "response", "gold score"], data=samples)})
@@ -569,8 +610,8 @@ if __name__ == "__main__":
         if llm is not None:
             llm.llm_engine.engine_core.shutdown(timeout=30)
     with open(output, "w") as f:
-        json.dump({"args": asdict(args), "reference_gold_score": reference_gold.mean().item(),
-                   "checkpoints": results}, f, indent=1)
+        json.dump({"args": asdict(args), "checkpoints": results,
+                   **({} if args.rule_reward else {"reference_gold_score": reference.mean().item()})}, f, indent=1)
     print(f"wrote {output}")
     if args.track:
         wandb.finish()

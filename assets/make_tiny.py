@@ -17,7 +17,7 @@ learned those token-matching relations in this budget and plateaued at 0.72 pair
 The subreddit makes the topic one distinctive token to attend to.) The build follows the
 paper's protocol:
 
-1. a byte-level BPE tokenizer (every word of the task is one token);
+1. a byte-level BPE tokenizer (every word of the task is one token) with a small chat template;
 2. an SFT policy (GPT-NeoX, hidden 128, 2 layers, 2 heads of 64) trained on the references;
 3. a *gold* reward model, initialised from the SFT policy and regressed (MSE) on the gold
    function at every response token (the score after token j is trained towards the gold score
@@ -68,6 +68,9 @@ FILLER = ("the a and so very my we it was really just then after with about some
 ALL_WORDS = sorted(TOPIC_OF) + FILLER
 EOS, PAD = "<|endoftext|>", "<|padding|>"
 SUBREDDIT, PROMPT_PREFIX, PROMPT_SUFFIX = "SUBREDDIT: r/", "\nPOST:", "\nTL;DR:"
+# A small chat template, so that chat-formatted (`messages`) datasets can be tested: "USER: ...\nASSISTANT:".
+CHAT_TEMPLATE = ("{% for message in messages %}{{ message['role'] | upper }}: {{ message['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}ASSISTANT:{% endif %}")
 
 
 # ----------------------------------------------------------------------------- the task
@@ -152,6 +155,7 @@ def build_tokenizer(posts_and_refs):
     corpus += [" " + " ".join(ALL_WORDS)] * 50  # every word is seen often enough to merge
     tok.train_from_iterator(corpus, trainer)
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, pad_token=PAD)
+    tokenizer.chat_template = CHAT_TEMPLATE
     for w in ALL_WORDS:
         assert len(tokenizer.encode(" " + w)) == 1, f"word {w!r} is not one token"
     return tokenizer

@@ -1,0 +1,103 @@
+"""Verifiable rewards and chat data: the rule reward by hand, chat prompts rendered with the tokenizer's
+template, the math task's assets, and RLOO and online DPO learning the math task (issue: the paper's
+GSM8K and chatbot experiments in miniature)."""
+
+import json
+import os
+import types
+
+import pytest
+import torch
+from conftest import ROOT, TINY, read_metrics, run_dir_of, run_script
+from transformers import AutoTokenizer
+
+import rloo
+
+MATH = os.path.join(ROOT, "assets", "tiny_math")
+
+
+@pytest.mark.parametrize("response, answer, reward", [
+    (" 55", "55", 1.0),
+    (" 47 + 8 = 55", "55", 1.0),              # the last number counts
+    (" 55 apples, not 45", "55", 0.0),
+    (" 45", "55", 0.0),
+    (" no number", "55", 0.0),
+    (" The answer is 1,234.", "1234", 1.0),  # commas inside numbers are ignored, a full stop ends one
+    (" -3", "-3", 1.0),
+    (" 3", "-3", 0.0),
+    (" 2.50", "2.5", 1.0),
+    (" 72", "Natalia sold 48/2 = 24 clips in May.\n48+24 = 72 clips.\n#### 72", 1.0),  # GSM8K's answer column
+    (" 24", "Natalia sold 48/2 = 24 clips in May.\n48+24 = 72 clips.\n#### 72", 0.0),
+    (" 5", "", 0.0),
+])
+def test_last_number_reward_by_hand(response, answer, reward):
+    assert rloo.last_number_reward(response, answer) == reward
+
+
+def test_rule_scores_read_the_decoded_response_and_the_prompts_answer():
+    tokenizer = AutoTokenizer.from_pretrained(os.path.join(MATH, "sft"))
+    query = tokenizer.encode("Question: Ann has 47 apples. She buys 8 more. How many apples does Ann have now?\nAnswer:")
+    responses = [" 55", " 45", " 5 5", " 555"]
+    rows = [query + tokenizer.encode(r) + [tokenizer.eos_token_id] for r in responses]
+    width = max(len(r) for r in rows)
+    query_responses = torch.tensor([r + [tokenizer.pad_token_id] * (width - len(r)) for r in rows])
+    args = types.SimpleNamespace(rule_reward="last_number")
+    scores = rloo.score_responses(args, None, query_responses, len(query), ["55"] * 4, tokenizer)
+    assert scores.tolist() == [1.0, 0.0, 0.0, 0.0]  # " 5 5" is two numbers, the last is 5
+
+
+def _prompt_args(dataset, rule_reward=None):
+    return types.SimpleNamespace(dataset_name=str(dataset), dataset_train_split="train", dataset_eval_split="test",
+                                 max_prompt_length=64, rule_reward=rule_reward, answer_column="answer",
+                                 sft_model_path=os.path.join(TINY, "sft"))
+
+
+def test_chat_prompts_are_rendered_with_the_chat_template_and_query_prompts_are_unchanged(tmp_path):
+    tokenizer = rloo.load_tokenizer(os.path.join(TINY, "sft"), False)
+    with open(os.path.join(TINY, "data", "test.jsonl")) as f:
+        queries = [json.loads(line)["query"] for line in f][:8]
+    chat = tmp_path / "chat"
+    chat.mkdir()
+    for split in ("train", "test"):
+        with open(chat / f"{split}.jsonl", "w") as f:
+            for i, query in enumerate(queries):
+                messages = [{"role": "user", "content": query}]
+                if i % 2:  # a conversation that ends in its reference reply (as No Robots'): the reply is dropped
+                    messages.append({"role": "assistant", "content": "food"})
+                f.write(json.dumps({"messages": messages}) + "\n")
+    train, test, train_answers, _ = rloo.load_prompts(_prompt_args(chat), tokenizer)
+    assert train == test and train_answers == [None] * 8
+    assert [tokenizer.decode(ids) for ids in test] == [f"USER: {query}\nASSISTANT:" for query in queries]
+    _, plain, _, _ = rloo.load_prompts(_prompt_args(os.path.join(TINY, "data")), tokenizer)
+    assert plain[:8] == [tokenizer.encode(q, add_special_tokens=False)[-64:] for q in queries]
+
+
+def test_math_task_assets_have_disjoint_splits_answers_and_headroom():
+    splits = {}
+    for split in ("train", "test"):
+        with open(os.path.join(MATH, "data", f"{split}.jsonl")) as f:
+            splits[split] = [json.loads(line) for line in f]
+    test_operations = {p["operation"] for p in splits["test"]}
+    assert not test_operations & {p["operation"] for p in splits["train"]}
+    for p in splits["test"]:
+        a, op, b = p["operation"].split()
+        assert int(p["answer"]) == (int(a) + int(b) if op == "+" else int(a) - int(b))
+        assert p["query"].endswith("\nAnswer:")
+    with open(os.path.join(MATH, "build_stats.json")) as f:
+        stats = json.load(f)
+    assert 0.3 <= stats["sft_greedy_accuracy"] <= 0.5  # headroom for RL
+    assert stats["sft_sampled_accuracy_carry"] > stats["sft_greedy_accuracy_carry"]  # which RL can find
+
+
+@pytest.mark.slow
+def test_quick_rebuild_of_the_math_task(tmp_path):
+    result = run_script("assets/make_tiny_math.py", "--quick", timeout=300)
+    out = result.stdout.strip().splitlines()[-1].split()[-1]
+    try:
+        assert sorted(os.listdir(out)) == ["README.md", "build_stats.json", "data", "sft"]
+        with open(os.path.join(out, "data", "test.jsonl")) as f, open(os.path.join(MATH, "data", "test.jsonl")) as g:
+            assert f.read() == g.read()  # the problems depend on the seed only
+    finally:
+        import shutil
+
+        shutil.rmtree(out, ignore_errors=True)
