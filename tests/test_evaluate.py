@@ -56,7 +56,7 @@ def test_win_rate_and_kl_of_every_checkpoint_with_both_backends(trained_run, tmp
     ([], "--checkpoints"),
     (["--checkpoints", "/nonexistent/run"], "--checkpoints"),
     (["--checkpoints", "assets/tiny/sft", "--backend", "tpu"], "--backend"),
-    (["--checkpoints", "assets/tiny/sft", "--temperature", "0"], "--temperature"),
+    (["--checkpoints", "assets/tiny/sft", "--temperature", "-1"], "--temperature"),
     (["--checkpoints", "assets/tiny/sft", "--gold-reward-model-path", "None"], "--gold-reward-model-path"),
     (["--checkpoints", "assets/tiny/sft", "--reference-column", "summary"], "--reference-column"),
     (["--checkpoints", "assets/tiny/sft", "--gold-reward-model-path", "assets/tiny/sft"], "--gold-reward-model-path"),

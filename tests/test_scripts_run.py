@@ -335,7 +335,8 @@ def test_a_signal_stops_an_asynchronous_run_and_leaves_nothing_behind(tmp_path, 
         process.send_signal(signum)
         returncode = process.wait(timeout=60)
         took = time.time() - start
-        alive = [p for p in family if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+        # multiprocessing's resource tracker exits on its own once it reads the end of its pipe: give it a moment
+        alive = [p for p in psutil.wait_procs(family, timeout=10)[1] if p.status() != psutil.STATUS_ZOMBIE]
     finally:
         os.killpg(process.pid, signal.SIGKILL) if process.poll() is None else None
     assert returncode != 0 and took < 20, (returncode, took, (tmp_path / "log").read_text()[-3000:])
@@ -375,6 +376,9 @@ def _bad_path(tmp_path, kind):
         for split in ("train", "test"):
             (path / f"{split}.jsonl").write_text('{"prompt": "hello"}\n' if kind == "BAD_DATASET" else
                                                  '{"query": "hello"}\n' * (split == "train"))
+    elif kind == "CHAT_DATASET":
+        for split in ("train", "test"):
+            (path / f"{split}.jsonl").write_text('{"messages": [{"role": "user", "content": "2 + 3?"}], "answer": "5"}\n' * 64)
     elif kind in ("CORRUPT_CONFIG", "NO_TOKENIZER"):
         shutil.copytree(os.path.join(TINY, "sft"), path, dirs_exist_ok=True)
         if kind == "CORRUPT_CONFIG":
@@ -420,7 +424,14 @@ BAD_INPUT = [  # (script, arguments, the argument the error must name)
         (["--output-dir", "A_FILE"], "--output-dir"),
         (["--kl-coef", "-0.1"], "--kl-coef"),
         (["--cliprange", "0"], "--cliprange"),
+        (["--rule-reward", "last_number"], "--answer-column"),  # the tiny task has no answers
+        (["--rule-reward", "exact_match"], "--rule-reward"),
+        (["--reward-model-path", "None"], "--reward-model-path"),
+        (["--sft-model-path", "assets/tiny_math/sft", "--dataset-name", "CHAT_DATASET", "--rule-reward",
+          "last_number"], "--dataset-name"),  # chat prompts, a tokenizer without a chat template
     ]],
+    ("ppo_vllm.py", ["--rule-reward", "last_number", "--answer-column", "solution", "--dataset-name",
+                     "assets/tiny_math/data", "--sft-model-path", "assets/tiny_math/sft"], "--answer-column"),
     # The other scripts share every check but their own `validate` (test_shared_helpers.py).
     ("online_dpo.py", ["--k", "1"], "--k"),
     ("online_dpo.py", ["--k", "4", "--per-device-train-batch-size", "66"], "--k"),
