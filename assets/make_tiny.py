@@ -26,7 +26,8 @@ paper's protocol:
 4. a *proxy* reward model, initialised from the SFT policy and trained Bradley-Terry with soft
    labels on pairs of responses to other prompts, labelled by the gold reward model; its scores
    are scaled to unit standard deviation on SFT samples;
-5. JSONL train/test prompts (`query`, `reference_response`) that `datasets` loads.
+5. JSONL train/test prompts (`query`, `reference_response`) that `datasets` loads, and a small chat-formatted
+   variant of them (`chat_data/`, a `messages` column).
 
     python assets/make_tiny.py            # rebuild assets/tiny (about 11 minutes on 2 cores)
     python assets/make_tiny.py --quick    # a smaller build into a temporary directory
@@ -456,6 +457,7 @@ def main():
         with open(os.path.join(out, "data", f"{split}.jsonl"), "w") as f:
             for i in idx:
                 f.write(json.dumps({"query": queries[i], "reference_response": " " + " ".join(refs[i])}) + "\n")
+    write_chat_variant(out)
     log(f"wrote {out}")
     summary = {
         "gold_rm_accuracy": stats["gold"][0], "gold_rm_accuracy_sft_pairs": stats["gold_sft"][0],
@@ -468,6 +470,21 @@ def main():
         json.dump(summary, f, indent=1)
     write_readme(out, args, stats, lines, time.time() - start)
     return out
+
+
+def write_chat_variant(out, sizes=(("train", 2000), ("test", 200))):
+    """`chat_data/`: the first prompts of `data/` as chat conversations (a `messages` column), for testing the
+    chat-template path. Test conversations end in the reference reply, as No Robots' do (the scripts drop it)."""
+    os.makedirs(os.path.join(out, "chat_data"), exist_ok=True)
+    for split, size in sizes:
+        with open(os.path.join(out, "data", f"{split}.jsonl")) as f:
+            rows = [json.loads(line) for line in f][:size]
+        with open(os.path.join(out, "chat_data", f"{split}.jsonl"), "w") as f:
+            for row in rows:
+                messages = [{"role": "user", "content": row["query"]}]
+                if split == "test":
+                    messages.append({"role": "assistant", "content": row["reference_response"].strip()})
+                f.write(json.dumps({"messages": messages}) + "\n")
 
 
 def _join(words_and_eos):
@@ -485,6 +502,8 @@ Built by `python assets/make_tiny.py{' --quick' if args.quick else ''}` (seed {a
 - `reward/`: the proxy reward model used for training (scores scaled to std 1 on SFT samples).
 - `gold_reward/`: the gold reward model used for evaluation (regresses the gold function).
 - `data/train.jsonl`, `data/test.jsonl`: `query` and `reference_response` columns.
+- `chat_data/`: the first 2000 train and 200 test prompts as chat conversations (`messages`; a test
+  conversation ends in its reference reply), for the chat-template path.
 
 The gold function and how the data is drawn are in `assets/make_tiny.py`.
 

@@ -5,8 +5,13 @@ episodes, one after the other, and prints for each run: the training loop's wall
 first update to the last, without start-up), episodes per second, the share of that time the learner
 spent waiting for generation (idle), the mean off-policy steps, and the proxy and gold scores of
 greedy answers to held-out prompts at the start and the end; then each script's speed-up.
+With `--task math` (the math task, assets/tiny_math, scored by the last-number rule) the scores are
+greedy test accuracy, evaluated every 20 updates, and it also prints both accuracy curves against the
+loop's wall clock and when each run first reached the `--sync` run's final accuracy (the paper's
+comparison: the time to equal accuracy).
 
     python benchmark/async_speedup.py                      # 4 scripts x 200 updates x 2 modes, about 16 minutes on 2 CPU cores
+    python benchmark/async_speedup.py --task math --scripts rloo_vllm online_dpo_vllm   # about 6 minutes
     python benchmark/async_speedup.py --scripts online_dpo_vllm --total-episodes 64000 --off-policy-steps 2
 
 Any other argument is passed to every run (for example --learning-rate 1e-4).
@@ -24,11 +29,15 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPTS = ["online_dpo_vllm", "rloo_vllm", "ppo_vllm", "bok_vllm"]
 COLUMNS = ["loop seconds", "process seconds", "episodes/s", "learner idle", "off-policy steps", "start proxy",
            "proxy score", "start gold", "gold score"]
+MATH_COLUMNS = COLUMNS[:5] + ["start accuracy", "accuracy"]
+MATH = ["--sft-model-path", "assets/tiny_math/sft", "--dataset-name", "assets/tiny_math/data", "--rule-reward",
+        "last_number", "--response-length", "8", "--max-prompt-length", "48", "--learning-rate", "3e-4",
+        "--num-eval-prompts", "288", "--eval-every", "20"]
 
 
 def run(script, mode_arguments, total_episodes, extra, output_dir):
     command = [sys.executable, f"{script}.py", *mode_arguments, "--total-episodes", str(total_episodes),
-               "--eval-every", "0", "--output-dir", output_dir, *extra]
+               "--eval-every", "0", "--output-dir", output_dir, *extra]  # a later --eval-every in extra wins
     started = time.time()
     subprocess.run(command, cwd=ROOT, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     process_seconds = time.time() - started
@@ -37,17 +46,28 @@ def run(script, mode_arguments, total_episodes, extra, output_dir):
         rows = [json.loads(line) for line in f]
     updates, last = rows[1:], rows[-1]
     loop_seconds = last["episode"] / last["time/episodes_per_second"]  # it counts from the first update to the last
+    # (loop seconds when the update ended, its evaluation's score): evaluations before it are inside those seconds
+    curve = [(row["episode"] / row["time/episodes_per_second"] if row["update"] else 0.0, row["eval/scores"])
+             for row in rows if "eval/scores" in row]
     return {
+        "curve": curve,
         "loop seconds": loop_seconds,
         "process seconds": process_seconds,
         "episodes/s": last["time/episodes_per_second"],
         "learner idle": sum(row["time/generation_wait"] for row in updates) / loop_seconds,
         "off-policy steps": sum(row["async/off_policy_steps"] for row in updates) / len(updates),
         "proxy score": last["eval/scores"],
-        "gold score": last["eval/gold_scores"],
+        "gold score": last.get("eval/gold_scores", float("nan")),
         "start proxy": rows[0]["eval/scores"],
-        "start gold": rows[0]["eval/gold_scores"],
+        "start gold": rows[0].get("eval/gold_scores", float("nan")),
+        "accuracy": last["eval/scores"],
+        "start accuracy": rows[0]["eval/scores"],
     }
+
+
+def first_time_at(curve, target):
+    """Loop seconds of the first evaluation scoring at least `target` (None if none did)."""
+    return next((seconds for seconds, score in curve if score >= target - 1e-9), None)
 
 
 def main():
@@ -55,7 +75,11 @@ def main():
     parser.add_argument("--scripts", nargs="+", default=SCRIPTS, choices=SCRIPTS, help="scripts to compare")
     parser.add_argument("--total-episodes", type=int, default=12800, help="episodes of each run (default 200 updates)")
     parser.add_argument("--off-policy-steps", type=int, default=1, help="K of the asynchronous runs")
+    parser.add_argument("--task", choices=["tiny", "math"], default="tiny",
+                        help="tiny: the TL;DR miniature (reward models); math: assets/tiny_math with the rule reward")
     options, extra = parser.parse_known_args()
+    columns = MATH_COLUMNS if options.task == "math" else COLUMNS
+    extra = (MATH if options.task == "math" else []) + extra
 
     speedups = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -66,11 +90,20 @@ def main():
                 results[name] = run(script, mode, options.total_episodes, extra, os.path.join(tmp, script, name))
             print(f"\n{script}.py, {options.total_episodes} episodes, async K = {options.off_policy_steps}"
                   f"{' ' + ' '.join(extra) if extra else ''}")
-            print(f"{'':8}" + "".join(f"{c:>17}" for c in COLUMNS))
+            print(f"{'':8}" + "".join(f"{c:>17}" for c in columns))
             for name, result in results.items():
-                print(f"{name:8}" + "".join(f"{result[c]:>17.3f}" for c in COLUMNS))
+                print(f"{name:8}" + "".join(f"{result[c]:>17.3f}" for c in columns))
             speedups[script] = results["sync"]["loop seconds"] / results["async"]["loop seconds"]
-            print(f"async speed-up (sync loop time / async loop time): {speedups[script]:.2f}x\n", flush=True)
+            print(f"async speed-up (sync loop time / async loop time): {speedups[script]:.2f}x", flush=True)
+            if options.task == "math":
+                target = results["sync"]["accuracy"]
+                for name, result in results.items():
+                    reached = first_time_at(result["curve"], target)
+                    print(f"{name:6} accuracy against loop seconds: "
+                          + " ".join(f"{seconds:.1f}s:{score:.3f}" for seconds, score in result["curve"]))
+                    print(f"{name:6} first reached the sync run's final accuracy {target:.3f} at "
+                          + ("never" if reached is None else f"{reached:.1f} s"))
+            print(flush=True)
     print("speed-ups: " + ", ".join(f"{script} {speedup:.2f}x" for script, speedup in speedups.items()))
 
 

@@ -8,7 +8,7 @@ import types
 
 import pytest
 import torch
-from conftest import ROOT, TINY, read_metrics, run_dir_of, run_script
+from conftest import ROOT, TINY, assert_finite, read_metrics, run_dir_of, run_script
 from transformers import AutoTokenizer
 
 import rloo
@@ -70,6 +70,9 @@ def test_chat_prompts_are_rendered_with_the_chat_template_and_query_prompts_are_
     assert [tokenizer.decode(ids) for ids in test] == [f"USER: {query}\nASSISTANT:" for query in queries]
     _, plain, _, _ = rloo.load_prompts(_prompt_args(os.path.join(TINY, "data")), tokenizer)
     assert plain[:8] == [tokenizer.encode(q, add_special_tokens=False)[-64:] for q in queries]
+    _, shipped, _, _ = rloo.load_prompts(_prompt_args(os.path.join(TINY, "chat_data")), tokenizer)
+    assert len(shipped) == 200 and [tokenizer.decode(ids) for ids in shipped[:8]] == [
+        f"USER: {query}\nASSISTANT:" for query in queries]
 
 
 def test_math_task_assets_have_disjoint_splits_answers_and_headroom():
@@ -101,3 +104,67 @@ def test_quick_rebuild_of_the_math_task(tmp_path):
         import shutil
 
         shutil.rmtree(out, ignore_errors=True)
+
+
+MATH_ARGS = ["--sft-model-path", "assets/tiny_math/sft", "--dataset-name", "assets/tiny_math/data", "--rule-reward",
+             "last_number", "--response-length", "8", "--max-prompt-length", "48", "--learning-rate", "3e-4",
+             "--num-eval-prompts", "288"]
+
+
+def _math_run(script, updates, out, *extra):
+    """`updates` updates of 64 responses on the math task; greedy test accuracy (eval/scores) at 0 and four times."""
+    run_script(script, *MATH_ARGS, "--total-episodes", str(64 * updates), "--eval-every", str(updates // 4),
+               "--output-dir", str(out), *extra, timeout=900)
+    return run_dir_of(out)
+
+
+@pytest.fixture(scope="module")
+def rloo_math_run(tmp_path_factory):
+    return _math_run("rloo.py", 100, tmp_path_factory.mktemp("rloo_math"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("script, updates", [("rloo.py", 100), ("online_dpo.py", 200), ("rloo_vllm.py", 200),
+                                             ("online_dpo_vllm.py", 200)])
+def test_rl_raises_greedy_test_accuracy_on_the_math_task_by_20_points(request, tmp_path, script, updates):
+    run_dir = request.getfixturevalue("rloo_math_run") if script == "rloo.py" else _math_run(script, updates, tmp_path)
+    curve = [round(row["eval/scores"], 3) for row in read_metrics(run_dir) if "eval/scores" in row]
+    assert len(curve) == 5 and curve[-1] - curve[0] >= 0.2, curve  # from the SFT policy (update 0)
+
+
+@pytest.mark.slow
+def test_evaluate_reports_the_accuracy_the_run_logged(rloo_math_run):
+    run_script("evaluate.py", "--checkpoints", rloo_math_run, "--backend", "hf", "--temperature", "0",
+               *MATH_ARGS[:10])
+    with open(os.path.join(rloo_math_run, "evaluation.json")) as f:
+        (result,) = json.load(f)["checkpoints"].values()
+    logged = read_metrics(rloo_math_run)[-1]["eval/scores"]
+    # The same greedy decoding of the same 288 prompts, batched differently: at most a tie flips.
+    assert result["update"] == 100 and abs(result["accuracy"] - logged) <= 2 / 288, (result, logged)
+    assert set(result) == {"update", "accuracy", "kl", "perplexity", "response_length"}
+
+
+@pytest.mark.slow
+def test_ppo_learns_without_a_reward_model_and_rloo_runs_on_chat_data(tmp_path):
+    run_dir = _math_run("ppo.py", 40, tmp_path / "ppo")
+    rows = read_metrics(run_dir)
+    assert_finite(rows)
+    curve = [round(row["eval/scores"], 3) for row in rows if "eval/scores" in row]
+    assert curve[-1] - curve[0] >= 0.1, curve  # 0.486 -> 0.684 when measured
+    run_script("rloo.py", "--dataset-name", "assets/tiny/chat_data", "--total-episodes", "640", "--eval-every", "10",
+               "--num-eval-prompts", "64", "--output-dir", str(tmp_path / "chat"))
+    rows = read_metrics(run_dir_of(tmp_path / "chat"))
+    assert len(rows) == 11  # update 0 and 10 updates
+    assert_finite(rows)
+
+
+def test_async_benchmark_times_the_first_evaluation_at_the_sync_runs_final_accuracy():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("async_speedup", os.path.join(ROOT, "benchmark", "async_speedup.py"))
+    async_speedup = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(async_speedup)
+    curve = [(0.0, 0.486), (10.0, 0.6), (20.0, 0.75), (30.0, 0.74), (40.0, 0.77)]
+    assert async_speedup.first_time_at(curve, 0.74) == 20.0
+    assert async_speedup.first_time_at(curve, 0.6) == 10.0  # equal counts as reached
+    assert async_speedup.first_time_at(curve, 0.8) is None

@@ -77,5 +77,6 @@ def test_quick_rebuild(tmp_path):
         assert os.path.isfile(out / name / "config.json") and os.path.isfile(out / name / "tokenizer.json")
     assert sum(1 for _ in open(out / "data" / "train.jsonl")) == 4000
     stats = json.loads((out / "build_stats.json").read_text())
+    assert sum(1 for _ in open(out / "chat_data" / "train.jsonl")) == 2000
     assert stats["gold_rm_accuracy"] > 0.55 and stats["proxy_rm_accuracy"] > 0.55  # better than chance; far from 0.9
     assert "pairwise accuracy" in (out / "README.md").read_text()
