@@ -1,23 +1,29 @@
-"""benchmark/tldr.sh reproduces the paper's TL;DR settings: its printed commands are checked against the
-paper's values (its code's configs: github.com/mnoukhov/async_rlhf, configs/*_tldr*.yml, and the TRL 0.9.4
-defaults it builds on), and every printed argument parses with the script it is for."""
+"""benchmark/tldr.sh, gsm8k.sh and no_robots.sh reproduce the paper's settings: their printed commands are
+checked against the paper's values (its code's configs: github.com/mnoukhov/async_rlhf, configs/*_tldr*.yml on
+`main`, configs/*rho1b_gsm8k*.yml on `dev`, the TRL 0.9.4 defaults it builds on; for No Robots its appendix
+table and the open-instruct command), and every printed argument parses with the script it is for."""
 
 import itertools
+import os
+import re
 import shlex
 
 import pytest
 import tyro
-from conftest import run
+from conftest import ROOT, run
 
 import bok
 import evaluate
 import online_dpo
 import online_dpo_vllm
 import ppo
+import ppo_vllm
 import rloo
+import rloo_vllm
 
 MODULES = {"rloo.py": rloo, "online_dpo.py": online_dpo, "bok.py": bok, "ppo.py": ppo,
-           "online_dpo_vllm.py": online_dpo_vllm, "evaluate.py": evaluate}
+           "online_dpo_vllm.py": online_dpo_vllm, "rloo_vllm.py": rloo_vllm, "ppo_vllm.py": ppo_vllm,
+           "evaluate.py": evaluate}
 PAPER = {
     "learning_rate": 3e-6, "temperature": 0.7, "response_length": 53, "max_prompt_length": 512,
     "missing_eos_mode": "replace", "missing_eos_penalty": -1.0, "num_ppo_epochs": 1, "num_mini_batches": 1,
@@ -35,9 +41,14 @@ RUNS = [("online_dpo", size, mode) for size, mode in itertools.product(("410m", 
     (algorithm, size, "hf") for algorithm, size in itertools.product(("rloo", "bok", "ppo"), ("410m", "1b", "2.8b"))]
 
 
+def _printed_by(script, *arguments):
+    """The commands a benchmark script prints, split as the shell would (without trailing comments)."""
+    lines = run(["bash", f"benchmark/{script}", "--print", *arguments]).stdout.splitlines()
+    return [shlex.split(line.split("   #")[0]) for line in lines]
+
+
 def _printed(algorithm, size, mode):
-    lines = run(["bash", "benchmark/tldr.sh", "--print", algorithm, size, mode]).stdout.splitlines()
-    train, evaluation = (shlex.split(line.split("#")[0]) for line in lines)
+    train, evaluation = _printed_by("tldr.sh", algorithm, size, mode)
     return train, evaluation
 
 
@@ -81,4 +92,91 @@ def test_tldr_commands_match_the_paper(algorithm, size, mode):
 def test_tldr_refuses_what_it_cannot_run():
     for arguments in (["rloo", "1b", "async"], ["online_dpo", "7b", "async"], ["online_dpo", "1b", "fast"]):
         result = run(["bash", "benchmark/tldr.sh", "--print", *arguments], check=False)
+        assert result.returncode == 2 and result.stderr.startswith("error:"), arguments
+
+
+# GSM8K (configs/onlinedpo_rho1b_gsm8k_4a100_sync.yml, rloo_rho1b_gsm8k_4l40s.yml, ppovllm_rho1b_gsm8k.yml on
+# the code's dev branch): script, k, responses an update on 3 training GPUs, updates, PPO epochs.
+GSM8K = {"sft_model_path": "realtreetune/rho-1b-sft-GSM8K", "rule_reward": "last_number", "answer_column": "answer",
+         "dataset_name": "runs/gsm8k/data", "temperature": 0.7, "response_length": 512, "missing_eos_penalty": 0.0,
+         "learning_rate": 3e-6, "deepspeed_config": "ds_configs/zero2.json", "vllm_gpu": 3, "num_mini_batches": 1,
+         "beta": 0.1, "kl_coef": 0.05}
+GSM8K_RUNS = {"online_dpo": ("online_dpo_vllm.py", 4, 264 * 4, 512, 1), "rloo": ("rloo_vllm.py", 4, 252, 2048, 1),
+              "ppo": ("ppo_vllm.py", None, 252, 2048, 2)}
+
+
+@pytest.mark.parametrize("algorithm, mode", list(itertools.product(GSM8K_RUNS, ("async", "sync"))))
+def test_gsm8k_commands_match_the_paper_code(algorithm, mode):
+    _, train, evaluation = _printed_by("gsm8k.sh", algorithm, mode)
+    gpus, script, args = _parsed(train)
+    for name, value in GSM8K.items():
+        if hasattr(args, name):
+            assert getattr(args, name) == value, name
+    batch = gpus * args.per_device_train_batch_size * args.gradient_accumulation_steps
+    expected_script, k, expected_batch, updates, epochs = GSM8K_RUNS[algorithm]
+    assert (script, gpus, batch, args.total_episodes // batch) == (expected_script, 3, expected_batch, updates)
+    assert args.total_episodes % batch == 0 and getattr(args, "k", None) == k and args.num_ppo_epochs == epochs
+    assert args.sync == (mode == "sync") and args.off_policy_steps == 1
+    _, _, eval_args = _parsed(evaluation)
+    assert (eval_args.rule_reward, eval_args.temperature, eval_args.response_length, eval_args.dataset_eval_split) == (
+        "last_number", 0.0, 512, "test")
+
+
+def test_gsm8k_data_preparation_writes_what_the_scripts_read(tmp_path, monkeypatch):
+    import datasets
+
+    (prepare, *_), data = _printed_by("gsm8k.sh", "rloo", "async"), tmp_path / "gsm8k"
+    assert prepare[:2] == ["python", "-c"]
+    rows = [{"question": "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in "
+                         "May. How many clips did Natalia sell altogether in April and May?",
+             "answer": "Natalia sold 48/2 = <<48/2=24>>24 clips in May.\nNatalia sold 48+24 = <<48+24=72>>72 clips "
+                       "altogether in April and May.\n#### 72"}]
+    monkeypatch.setattr(datasets, "load_dataset", lambda name, config, split: datasets.Dataset.from_list(rows))
+    exec(prepare[2].replace("runs/gsm8k/data", str(data)), {})
+    args = type("Args", (), dict(dataset_name=str(data), dataset_train_split="train", dataset_eval_split="test",
+                                 max_prompt_length=512, rule_reward="last_number", answer_column="answer"))
+    tokenizer = rloo.load_tokenizer(os.path.join(ROOT, "assets", "tiny", "sft"), False)
+    _, (prompt,), _, (answer,) = rloo.load_prompts(args, tokenizer)
+    assert tokenizer.decode(prompt) == f"[MATH_TASK] Problem:\n{rows[0]['question']}\n\nSolution:"
+    assert rloo.last_number_reward(" 48/2 = 24 in May, 48 + 24 = 72 in all. #### 72", answer) == 1.0
+    assert rloo.last_number_reward(" 48 + 24 = 72. #### 24", answer) == 0.0
+
+
+NO_ROBOTS = {"sft_model_path": "runs/no_robots/models/sft", "reward_model_path": "runs/no_robots/models/reward",
+             "dataset_name": "HuggingFaceH4/no_robots", "learning_rate": 8e-7, "temperature": 0.7, "beta": 0.03,
+             "k": 2, "max_prompt_length": 512, "response_length": 1024, "missing_eos_mode": "replace",
+             "missing_eos_penalty": -10.0, "deepspeed_config": "ds_configs/zero3.json", "vllm_gpu": 7,
+             "num_ppo_epochs": 1, "num_mini_batches": 1}
+
+
+@pytest.mark.parametrize("mode", ["async", "sync"])
+def test_no_robots_command_matches_the_paper(mode):
+    download_sft, download_rm, _, train = _printed_by("no_robots.sh", mode)
+    assert download_sft[download_sft.index("--revision") + 1].startswith("costa_finetune_tulu3_8b_norobot__meta-llama")
+    assert download_rm[:3] == ["hf", "download", "vwxyzjn/reward_modeling__allenai_open_instruct_dev"]
+    gpus, script, args = _parsed(train)
+    for name, value in NO_ROBOTS.items():
+        assert getattr(args, name) == value, name
+    batch = gpus * args.per_device_train_batch_size * args.gradient_accumulation_steps
+    # 7 training GPUs x 32 accumulation steps x one pair; 100,000 prompts
+    assert (script, gpus, batch // 2, args.total_episodes // 2) == ("online_dpo_vllm.py", 7, 224, 100_000)
+    assert args.sync == (mode == "sync")
+
+
+def test_no_robots_chat_template_is_the_tulu_format():
+    with open(os.path.join(ROOT, "benchmark", "no_robots.sh")) as f:
+        (template,) = re.findall(r"<<'EOF'\n(.*?)\nEOF", f.read(), re.S)
+    tokenizer = rloo.load_tokenizer(os.path.join(ROOT, "assets", "tiny", "sft"), False)
+    tokenizer.chat_template = template
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+                {"role": "assistant", "content": "Hello"}, {"role": "user", "content": "Why?"}]
+    rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert rendered == ("<|system|>\nBe brief.\n<|user|>\nHi\n<|assistant|>\nHello<|endoftext|>\n<|user|>\nWhy?\n"
+                        "<|assistant|>\n")
+
+
+def test_gsm8k_and_no_robots_refuse_what_they_cannot_run():
+    for script, arguments in (("gsm8k.sh", ["bok", "async"]), ("gsm8k.sh", ["rloo", "fast"]),
+                              ("no_robots.sh", ["fast"])):
+        result = run(["bash", f"benchmark/{script}", "--print", *arguments], check=False)
         assert result.returncode == 2 and result.stderr.startswith("error:"), arguments
