@@ -175,12 +175,17 @@ def validate(args):
 # ===========================================================================================================
 
 def select_best(scores, k):
-    """Index of the highest-scoring response to each prompt (the first of equal scores).
+    """Index of the highest-scoring response to each prompt (the first of equal scores), and whether it
+    scores above the prompt's lowest.
 
-    `scores` holds k blocks of the same prompts: index j * num_prompts + i is sample j of prompt i."""
+    `scores` holds k blocks of the same prompts: index j * num_prompts + i is sample j of prompt i. A prompt
+    whose k scores are all equal has no best response (with a 0/1 rule reward: all wrong, or all right) and
+    is left out of the loss, as online DPO's pair of equal scores adds no gradient; else, on the math task,
+    best-of-k fine-tunes on wrong answers to the prompts it cannot yet solve and its accuracy falls."""
     scores = scores.view(k, -1)
     num_prompts = scores.shape[1]
-    return scores.argmax(0) * num_prompts + torch.arange(num_prompts, device=scores.device)
+    best = scores.argmax(0) * num_prompts + torch.arange(num_prompts, device=scores.device)
+    return best, scores.amax(0) > scores.amin(0)
 
 
 def sft_loss(logprobs, padding_mask):
@@ -825,7 +830,7 @@ if __name__ == "__main__":
                                            args.missing_eos_mode)
 
         # 3. The best response to each prompt.
-        best = select_best(scores, args.k)
+        best, has_best = select_best(scores, args.k)
         kl = (logprobs - ref_logprobs).sum(1)
         t2 = time.time()
 
@@ -839,11 +844,12 @@ if __name__ == "__main__":
             order = torch.randperm(num_prompts, device=device)
             for mb_start in range(0, num_prompts, mini_batch_prompts):
                 for mc_start in range(mb_start, mb_start + mini_batch_prompts, micro_batch_prompts):
-                    idx = best[order[mc_start: mc_start + micro_batch_prompts]]
+                    prompts = order[mc_start: mc_start + micro_batch_prompts]
+                    idx = best[prompts]
                     logits = forward(policy, query_responses[idx], pad).logits
                     new_logprobs = response_logprobs(logits, responses[idx], context_length, args.temperature)
                     new_logprobs = new_logprobs.masked_fill(padding_mask[idx], 0.0)
-                    loss = sft_loss(new_logprobs, padding_mask[idx])
+                    loss = sft_loss(new_logprobs, padding_mask[idx] | ~has_best[prompts, None])
                     policy.backward(loss)
                     policy.step()
                     with torch.no_grad():
@@ -861,6 +867,7 @@ if __name__ == "__main__":
             "objective/scores": scores.mean().item(),
             "objective/raw_scores": raw_scores.mean().item(),
             "objective/scores_best": scores[best].mean().item(),
+            "objective/prompts_with_best": has_best.float().mean().item(),
             "objective/kl": kl.mean().item(),
             "objective/entropy": (-logprobs).sum(1).mean().item(),
             "policy/entropy_avg": mean["entropy"],

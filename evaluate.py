@@ -57,11 +57,12 @@ class Args:
     trust_remote_code: bool = False
     """allow models and tokenizers to run code from their repository"""
     dataset_name: str = "assets/tiny/data"
-    """dataset with a `query` column of prompts: a local directory or a hub id"""
+    """dataset with a `query` column of prompts or a `messages` column of chats: a local directory or a hub id"""
     dataset_eval_split: str = "test"
     """split to evaluate on"""
     reference_column: str = "reference_response"
-    """column of the dataset's reference responses (the text after the prompt); not read with --rule-reward"""
+    """column of the dataset's reference responses (the text after the prompt; a chat without it: its final reply);
+    not read with --rule-reward"""
     num_eval_prompts: int = 0
     """evaluate on the first this many prompts of the split (0: all, as the paper)"""
     max_prompt_length: int = 64
@@ -156,7 +157,9 @@ def find_checkpoints(path):
 
 def load_eval_data(args, tokenizer, stop_id):
     """Tokenised prompts of the eval split and, with --rule-reward, their answers, else the reference responses
-    (with the stop token appended)."""
+    (with the stop token appended). A prompt is the `query` column's text, or the `messages` column's chat
+    rendered as the training scripts render it; a chat's reference is its final assistant message unless the
+    split has a --reference-column."""
     if not os.path.exists(args.dataset_name) and args.dataset_name.count("/") != 1:
         fail("dataset_name", f"no such directory: {args.dataset_name}")
     try:
@@ -167,19 +170,33 @@ def load_eval_data(args, tokenizer, stop_id):
         fail("dataset_eval_split", f"dataset {args.dataset_name} has no split {args.dataset_eval_split!r} "
                                    f"(it has {sorted(dataset)})")
     split = dataset[args.dataset_eval_split]
-    needed = (args.answer_column, "answer_column") if args.rule_reward else (args.reference_column, "reference_column")
-    for column, argument in (("query", "dataset_name"), needed):
-        if column not in split.column_names:
-            fail(argument, f"split {args.dataset_eval_split!r} has no {column!r} column (it has {split.column_names})")
+    columns = split.column_names
+    if "query" not in columns and "messages" not in columns:
+        fail("dataset_name", f"split {args.dataset_eval_split!r} has no `query` or `messages` column (it has {columns})")
+    chats = None if "query" in columns else list(split["messages"])
+    if args.rule_reward and args.answer_column not in columns:
+        fail("answer_column", f"split {args.dataset_eval_split!r} has no {args.answer_column!r} column (it has {columns})")
+    if not args.rule_reward and args.reference_column not in columns and (
+            chats is None or any(chat[-1]["role"] != "assistant" for chat in chats)):
+        fail("reference_column", f"split {args.dataset_eval_split!r} has no {args.reference_column!r} column (it has "
+                                 f"{columns}){'' if chats is None else ' and not every chat ends in a reply'}")
+    if chats is not None and tokenizer.chat_template is None:
+        fail("dataset_name", f"split {args.dataset_eval_split!r} holds `messages` but the tokenizer of "
+                             f"{args.sft_model_path} has no chat template")
     if args.num_eval_prompts:
         split = split.select(range(min(args.num_eval_prompts, len(split))))
-    prompts = [q[-args.max_prompt_length:] for q in
-               tokenizer(list(split["query"]), add_special_tokens=False)["input_ids"]]
+        chats = chats and chats[: len(split)]
+    texts = list(split["query"]) if chats is None else [
+        tokenizer.apply_chat_template(chat[:-1] if chat[-1]["role"] == "assistant" else chat, tokenize=False,
+                                      add_generation_prompt=True) for chat in chats]
+    prompts = [q[-args.max_prompt_length:] for q in tokenizer(texts, add_special_tokens=False)["input_ids"]]
     if args.rule_reward:
         return prompts, [str(a) for a in split[args.answer_column]]
+    reference_texts = (list(split[args.reference_column]) if args.reference_column in columns else
+                       [chat[-1]["content"] for chat in chats])
     references = [r[: args.response_length - 1] + [stop_id] if stop_id not in r[: args.response_length] else
                   r[: r.index(stop_id) + 1] for r in
-                  tokenizer(list(split[args.reference_column]), add_special_tokens=False)["input_ids"]]
+                  tokenizer(reference_texts, add_special_tokens=False)["input_ids"]]
     return prompts, references
 
 

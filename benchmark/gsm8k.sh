@@ -34,6 +34,8 @@
 # - The async config found in the code's history (configs/onlinedpo_rho1b_gsm8k_4a100s_async.yml) differs
 #   from the sync one (k = 8, learning rate 5e-6, 144 prompts an update, 512 updates); which pair made the
 #   paper's figure is UNKNOWN. Both modes here use the sync config, so that only --sync differs.
+# - The code tokenized the prompt with the tokenizer's special tokens (Rho-1B's BOS first); the scripts
+#   tokenize a `query` as written, without them (as TL;DR's Pythia tokenizer, which adds none, has it).
 # - The prompt length limit is UNKNOWN (512 here: no GSM8K question is cut); so is the paper's accuracy.
 set -euo pipefail
 cd "$(dirname "$0")/.."

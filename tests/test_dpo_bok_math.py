@@ -73,11 +73,24 @@ def test_a_prompt_paired_with_itself_has_no_gradient():
 
 def test_best_of_k_keeps_the_highest_score_and_the_first_of_ties():
     scores = torch.tensor([1.0, 0.5, 3.0, 2.0, 0.5, -1.0, 2.0, 0.5, 3.0])  # k = 3 samples of 3 prompts
-    assert bok.select_best(scores, 3).tolist() == [3, 1, 2]
+    best, has_best = bok.select_best(scores, 3)
+    assert best.tolist() == [3, 1, 2] and has_best.tolist() == [True, False, True]  # prompt 1: 0.5 three times
     # A response without a stop token loses its lead to the penalty.
     responses = torch.tensor([[5, 6, 7], [5, STOP, PAD]])
     penalised = bok.apply_missing_eos_penalty(torch.tensor([1.0, 0.5]), responses, STOP, -1.0, "add")
-    assert bok.select_best(penalised, 2).tolist() == [1]
+    assert bok.select_best(penalised, 2)[0].tolist() == [1]
+    # 0/1 rule rewards of k = 2 samples of 4 prompts: all wrong and all right have no best.
+    best, has_best = bok.select_best(torch.tensor([0.0, 1.0, 0.0, 1.0, 0.0, 1.0, 1.0, 0.0]), 2)
+    assert best.tolist() == [0, 1, 6, 3] and has_best.tolist() == [False, False, True, True]
+
+
+def test_best_of_k_leaves_prompts_without_a_best_response_out_of_the_loss():
+    logprobs = torch.tensor([[-1.0, -2.0], [-3.0, -5.0]], requires_grad=True)
+    padding = torch.tensor([[False, False], [False, True]])
+    has_best = torch.tensor([False, True])
+    loss = bok.sft_loss(logprobs.masked_fill(padding, 0.0), padding | ~has_best[:, None])
+    loss.backward()
+    assert loss.item() == 3.0 and logprobs.grad[0].abs().sum().item() == 0.0  # only prompt 1's one token
 
 
 def test_best_of_k_loss_is_the_mean_negative_log_likelihood_per_response_token():

@@ -59,6 +59,8 @@ def test_win_rate_and_kl_of_every_checkpoint_with_both_backends(trained_run, tmp
     (["--checkpoints", "assets/tiny/sft", "--temperature", "-1"], "--temperature"),
     (["--checkpoints", "assets/tiny/sft", "--gold-reward-model-path", "None"], "--gold-reward-model-path"),
     (["--checkpoints", "assets/tiny/sft", "--reference-column", "summary"], "--reference-column"),
+    (["--checkpoints", "assets/tiny/sft", "--dataset-name", "assets/tiny/chat_data", "--dataset-eval-split", "train"],
+     "--reference-column"),  # chats without a final reply, and no reference column
     (["--checkpoints", "assets/tiny/sft", "--gold-reward-model-path", "assets/tiny/sft"], "--gold-reward-model-path"),
 ])
 def test_bad_input_exits_2_with_one_line_naming_the_argument(arguments, argument):

@@ -125,7 +125,7 @@ def rloo_math_run(tmp_path_factory):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("script, updates", [("rloo.py", 100), ("online_dpo.py", 200), ("rloo_vllm.py", 200),
-                                             ("online_dpo_vllm.py", 200)])
+                                             ("online_dpo_vllm.py", 200), ("bok.py", 200)])
 def test_rl_raises_greedy_test_accuracy_on_the_math_task_by_20_points(request, tmp_path, script, updates):
     run_dir = request.getfixturevalue("rloo_math_run") if script == "rloo.py" else _math_run(script, updates, tmp_path)
     curve = [round(row["eval/scores"], 3) for row in read_metrics(run_dir) if "eval/scores" in row]
@@ -158,7 +158,7 @@ def test_ppo_learns_without_a_reward_model_and_rloo_runs_on_chat_data(tmp_path):
     assert_finite(rows)
 
 
-def test_async_benchmark_times_the_first_evaluation_at_the_sync_runs_final_accuracy():
+def test_async_benchmark_averages_seeds_and_times_the_first_evaluation_at_the_sync_runs_final_accuracy():
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("async_speedup", os.path.join(ROOT, "benchmark", "async_speedup.py"))
@@ -168,3 +168,22 @@ def test_async_benchmark_times_the_first_evaluation_at_the_sync_runs_final_accur
     assert async_speedup.first_time_at(curve, 0.74) == 20.0
     assert async_speedup.first_time_at(curve, 0.6) == 10.0  # equal counts as reached
     assert async_speedup.first_time_at(curve, 0.8) is None
+    seeds = [{"accuracy": 0.7, "curve": [(0.0, 0.5), (10.0, 0.7)]}, {"accuracy": 0.8, "curve": [(0.0, 0.5), (12.0, 0.8)]}]
+    assert async_speedup.mean_of(seeds) == {"accuracy": 0.75, "curve": [(0.0, 0.5), (11.0, 0.75)]}
+
+
+def test_evaluate_reads_chat_data_as_the_scripts_do_with_the_final_reply_as_reference():
+    import evaluate
+
+    tokenizer = rloo.load_tokenizer(os.path.join(TINY, "sft"), False)
+    stop = tokenizer.eos_token_id
+    args = types.SimpleNamespace(dataset_name=os.path.join(TINY, "chat_data"), dataset_eval_split="test",
+                                 rule_reward=None, answer_column="answer", reference_column="reference_response",
+                                 num_eval_prompts=16, max_prompt_length=64, response_length=16,
+                                 sft_model_path=os.path.join(TINY, "sft"))
+    prompts, references = evaluate.load_eval_data(args, tokenizer, stop)
+    _, scripts_prompts, _, _ = rloo.load_prompts(_prompt_args(os.path.join(TINY, "chat_data")), tokenizer)
+    assert prompts == scripts_prompts[:16]
+    with open(os.path.join(TINY, "chat_data", "test.jsonl")) as f:
+        replies = [json.loads(line)["messages"][-1]["content"] for line in f][:16]
+    assert references == [tokenizer.encode(reply, add_special_tokens=False) + [stop] for reply in replies]
