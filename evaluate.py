@@ -26,6 +26,7 @@ checkpoints) or from HF generation (`--backend hf`).
         --dataset-name assets/tiny_math/data --rule-reward last_number --temperature 0 --response-length 8
 """
 
+import glob
 import importlib.util
 import json
 import os
@@ -151,7 +152,9 @@ def find_checkpoints(path):
         return [path]
     updates = sorted(int(d.split("-")[1]) for d in os.listdir(path) if d.startswith("checkpoint-") and d[len("checkpoint-"):].isdigit())
     if not updates:
-        fail("checkpoints", f"no checkpoint-<update> directory and no model in {path}")
+        runs = [d for d in sorted(os.listdir(path)) if glob.glob(os.path.join(path, d, "checkpoint-*"))]
+        hint = f" (it holds runs: pass one, e.g. {os.path.join(path, runs[0])})" if runs else ""
+        fail("checkpoints", f"no checkpoint-<update> directory and no model in {path}{hint}")
     return [os.path.join(path, f"checkpoint-{update}") for update in updates]
 
 

@@ -58,22 +58,25 @@ for script in rloo online_dpo bok ppo; do
   check "1gpu_$script" bash -c "$(declare -f run1); CUDA_VISIBLE_DEVICES=0 run1 $script.py --output-dir $out/1gpu_$script"
   check "1gpu_${script}_metrics" metrics_ok "$out/1gpu_$script" 4
 done
-check 1gpu_online_dpo_vllm bash -c "$(declare -f run1); CUDA_VISIBLE_DEVICES=0 run1 online_dpo_vllm.py --output-dir $out/1gpu_vllm"
-check 1gpu_online_dpo_vllm_metrics metrics_ok "$out/1gpu_vllm" 4 0 1 1 1
-for script in rloo_vllm ppo_vllm bok_vllm; do
-  check "1gpu_$script" bash -c "$(declare -f run1); CUDA_VISIBLE_DEVICES=0 run1 $script.py --output-dir $out/1gpu_$script"
-  check "1gpu_${script}_metrics" metrics_ok "$out/1gpu_$script" 4 0 1 1 1
-done
-for script in rloo_vllm ppo_vllm; do  # bf16: how far vLLM's log-probabilities are from the learner's (not asserted)
-  python - "$out/1gpu_$script" "$script" <<'EOF'
+check 1gpu_evaluate_hf bash -c "CUDA_VISIBLE_DEVICES=0 python evaluate.py --checkpoints $(ls -d $out/1gpu_rloo/*__*) --num-eval-prompts 256 --backend hf --output $out/evaluation_hf.json"
+if python -c "import vllm" 2>/dev/null; then
+  check 1gpu_online_dpo_vllm bash -c "$(declare -f run1); CUDA_VISIBLE_DEVICES=0 run1 online_dpo_vllm.py --output-dir $out/1gpu_vllm"
+  check 1gpu_online_dpo_vllm_metrics metrics_ok "$out/1gpu_vllm" 4 0 1 1 1
+  for script in rloo_vllm ppo_vllm bok_vllm; do
+    check "1gpu_$script" bash -c "$(declare -f run1); CUDA_VISIBLE_DEVICES=0 run1 $script.py --output-dir $out/1gpu_$script"
+    check "1gpu_${script}_metrics" metrics_ok "$out/1gpu_$script" 4 0 1 1 1
+  done
+  for script in rloo_vllm ppo_vllm; do  # bf16: how far vLLM's log-probabilities are from the learner's (not asserted)
+    python - "$out/1gpu_$script" "$script" <<'EOF'
 import glob, json, sys
 rows = [json.loads(line) for line in open(glob.glob(f"{sys.argv[1]}/*__*/metrics.jsonl")[0])][1:]
 print(f"INFO {sys.argv[2]} bf16: async/mismatch_kl " + " ".join(f"{r['async/mismatch_kl']:.2e}" for r in rows)
       + ", async/is_ess " + " ".join(f"{r['async/is_ess']:.4f}" for r in rows))
 EOF
-done
-check 1gpu_vllm_shares_gpu_0 grep -q "vLLM shares GPU 0 with training and takes" "$out/1gpu_online_dpo_vllm.log"
-check 1gpu_evaluate_vllm bash -c "CUDA_VISIBLE_DEVICES=0 python evaluate.py --checkpoints $out/1gpu_vllm --num-eval-prompts 256 --backend vllm --output $out/evaluation.json"
+  done
+  check 1gpu_vllm_shares_gpu_0 grep -q "vLLM shares GPU 0 with training and takes" "$out/1gpu_online_dpo_vllm.log"
+  check 1gpu_evaluate_vllm bash -c "CUDA_VISIBLE_DEVICES=0 python evaluate.py --checkpoints $(ls -d $out/1gpu_vllm/*__*) --num-eval-prompts 256 --backend vllm --output $out/evaluation.json"
+else echo "SKIP vLLM checks (vllm is not installed)"; fi
 
 # 2 GPUs: ZeRO-3 over NCCL
 if [ "$gpus" -ge 2 ]; then
@@ -85,12 +88,12 @@ if [ "$gpus" -ge 2 ]; then
 else echo "SKIP 2-GPU checks (1 GPU)"; fi
 
 # 3 GPUs: 2 training ranks, vLLM on a GPU of its own
-if [ "$gpus" -ge 3 ]; then
+if [ "$gpus" -ge 3 ] && python -c "import vllm" 2>/dev/null; then
   check 3gpu_online_dpo_vllm vllm_gpus deepspeed --num_gpus 2 online_dpo_vllm.py --deepspeed-config ds_configs/zero3.json \
     --bf16 --off-policy-steps 2 --per-device-train-batch-size 32 --total-episodes 320 --eval-every 1 \
     --num-eval-prompts 64 --output-dir "$out/3gpu_vllm"
   check 3gpu_online_dpo_vllm_metrics metrics_ok "$out/3gpu_vllm" 5 0 1 2 2 2
   check 3gpu_vllm_on_gpu_2 bash -c "[ \"\$(sort -u $out/vllm_gpus.txt | tr '\n' ' ')\" = '2 ' ]"
-else echo "SKIP 3-GPU checks ($gpus GPU(s))"; fi
+else echo "SKIP 3-GPU checks ($gpus GPU(s), or vllm not installed)"; fi
 echo "$passed passed, $failed failed"
 [ "$failed" = 0 ]

@@ -5,7 +5,7 @@ import os
 
 import pytest
 import torch
-from conftest import TINY, assert_bad_input, run_dir_of, run_script
+from conftest import TINY, assert_bad_input, assert_bad_input_result, run_dir_of, run_script
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 pytestmark = pytest.mark.slow  # runs scripts or vLLM engines: minutes
@@ -65,6 +65,13 @@ def test_win_rate_and_kl_of_every_checkpoint_with_both_backends(trained_run, tmp
 ])
 def test_bad_input_exits_2_with_one_line_naming_the_argument(arguments, argument):
     assert_bad_input("evaluate.py", arguments, argument)
+
+
+def test_the_output_directory_instead_of_a_run_names_the_run_to_pass(trained_run):
+    """`--checkpoints runs` (the --output-dir) instead of `runs/<run name>`: exit 2, and the line names the run."""
+    result = run_script("evaluate.py", "--checkpoints", os.path.dirname(trained_run), check=False)
+    assert_bad_input_result(result, 0, "--checkpoints")
+    assert f"pass one, e.g. {trained_run})" in result.stderr
 
 
 def _gold_model_with_another_tokenizer(path):
