@@ -74,7 +74,7 @@ case $algorithm/$mode in
   bok/hf) train=(deepspeed --num_gpus 4 bok.py --k 2 $(batch "${hf_batch[@]}") --total-episodes 131072) ;;
   ppo/hf) train=(deepspeed --num_gpus 4 ppo.py --kl-coef 0.05 --gamma 1.0 --lam 0.95 --vf-coef 0.1 --cliprange 0.2
                  --cliprange-value 0.2 $(batch "${hf_batch[@]}") --total-episodes 131072) ;;
-  online_dpo/*|rloo/*|bok/*|ppo/*) echo "error: $algorithm has no asynchronous script yet (mode hf only)" >&2; exit 2 ;;
+  online_dpo/*|rloo/*|bok/*|ppo/*) echo "error: the paper's code gives 4-GPU asynchronous TL;DR settings for online_dpo only; $algorithm runs in mode hf here (its ${algorithm}_vllm.py takes the same arguments)" >&2; exit 2 ;;
   *) echo "error: algorithm must be online_dpo, ppo, rloo or bok, got $algorithm" >&2; exit 2 ;;
 esac
 

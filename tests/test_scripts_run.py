@@ -172,10 +172,10 @@ def test_default_run_logs_saves_and_learns(tmp_path, command, proxy_margin, gold
 
 # The *_vllm.py scripts resume exactly, asynchronously too: a checkpoint keeps the K batches already generated
 # for the updates after it (by policies older than its own), and the resumed run trains on them. Their generator,
-# hand-off and checkpoints are the same code in all four (test_shared_helpers.py), and with --sync (K = 0) a
-# checkpoint keeps no batch: RLOO, two updates late and with the off-policy correction, is run.
+# hand-off and checkpoints are the same code in all four (test_shared_helpers.py); what each batch holds differs
+# (pairs of samples, k samples, one sample and its values), so each runs, two updates late.
 RESUME = [[script] for script in SCRIPTS if not script.endswith("_vllm.py")] + [
-    ["rloo_vllm.py", "--off-policy-steps", "2", "--vllm-enforce-eager"]]
+    [script, "--off-policy-steps", "2", "--vllm-enforce-eager"] for script in SCRIPTS if script.endswith("_vllm.py")]
 
 
 @pytest.mark.parametrize("command", RESUME, ids=[" ".join(c) for c in RESUME])
