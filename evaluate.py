@@ -432,11 +432,13 @@ def vllm_memory_share(requested, free_bytes, total_bytes, gpu):
     return share
 
 
-def start_vllm(args, model_path):
+def start_vllm(args, model_path, weight_transfer=False):
     """A vLLM engine for `model_path`, running in its own process (vLLM's default) on its own device.
 
     The engine process reads CUDA_VISIBLE_DEVICES (GPU) or VLLM_CPU_OMP_THREADS_BIND (CPU cores)
-    when it starts, so they are set around its construction and restored after."""
+    when it starts, so they are set around its construction and restored after. With `weight_transfer`
+    it takes weights in memory (see weight_transfer()): by NCCL on a GPU of its own, by CUDA IPC on a GPU
+    it shares, by gloo on CPU."""
     from vllm import LLM
 
     # Log-probabilities returned with samples are those of the distribution sampled from (after temperature).
@@ -455,6 +457,7 @@ def start_vllm(args, model_path):
                   "(--vllm-gpu-memory-utilization); it has no GPU of its own", flush=True)
         env = {"CUDA_VISIBLE_DEVICES": gpu}
         engine_args["gpu_memory_utilization"] = share
+        backend = "nccl" if shared is None else "ipc"
     else:
         cores = sorted(os.sched_getaffinity(0))[-args.vllm_cpu_cores:]
         env = {"VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, cores))}
@@ -467,6 +470,12 @@ def start_vllm(args, model_path):
         # A prompt whose prefill is split over steps makes vLLM rewind its seeded sampler, which
         # torch's CPU generator cannot do; without chunked prefill every prompt is prefilled whole.
         engine_args["enable_chunked_prefill"] = False
+        backend = "gloo"
+        if weight_transfer:  # vLLM's engine process looks it up in this script, which registers "gloo" there
+            module = os.path.splitext(os.path.basename(__file__))[0]
+            engine_args["worker_extension_cls"] = f"{module}.VllmWorkerExtension"
+    if weight_transfer:
+        engine_args["weight_transfer_config"] = {"backend": backend}
     saved = {name: os.environ.get(name) for name in env}
     os.environ.update(env)
     try:

@@ -23,7 +23,9 @@ the K updates of staleness and for the numerical differences between vLLM and th
 
 import atexit
 import collections
+import concurrent.futures
 import contextlib
+import functools
 import json
 import math
 import os
@@ -133,6 +135,8 @@ class Args:
     """skip vLLM's model compilation (and CUDA graphs): starts faster, generates slower; for short runs"""
     generation_timeout: float = 600.0
     """seconds the learner waits for a batch (and the generator for weights) before stopping with an error"""
+    weight_sync: str = "memory"
+    """how each new policy reaches vLLM: `memory` (vLLM's weight transfer: NCCL to a GPU of its own, CUDA IPC on one it shares, gloo on CPU) or `file` (a save_pretrained directory, in /dev/shm if it has room, that vLLM reloads)"""
     is_cap: float = 2.0
     """off-policy correction: weight the loss by pi_prox / pi_behaviour truncated at this value (per response in RLOO, per token in PPO); 0 turns it off"""
 
@@ -182,6 +186,8 @@ def validate(args):
         fail("is_cap", f"must be 0 (no correction) or positive, got {args.is_cap}")
     if args.generation_timeout <= 0:
         fail("generation_timeout", f"must be positive, got {args.generation_timeout}")
+    if args.weight_sync not in ("memory", "file"):
+        fail("weight_sync", f"must be memory or file, got {args.weight_sync!r}")
     if args.vllm_gpu_memory_utilization is not None and not 0 < args.vllm_gpu_memory_utilization <= 1:
         fail("vllm_gpu_memory_utilization", f"must be in (0, 1], got {args.vllm_gpu_memory_utilization}")
     if not torch.cuda.is_available() and not 1 <= args.vllm_cpu_cores < len(os.sched_getaffinity(0)):
@@ -877,11 +883,13 @@ def vllm_memory_share(requested, free_bytes, total_bytes, gpu):
     return share
 
 
-def start_vllm(args, model_path):
+def start_vllm(args, model_path, weight_transfer=False):
     """A vLLM engine for `model_path`, running in its own process (vLLM's default) on its own device.
 
     The engine process reads CUDA_VISIBLE_DEVICES (GPU) or VLLM_CPU_OMP_THREADS_BIND (CPU cores)
-    when it starts, so they are set around its construction and restored after."""
+    when it starts, so they are set around its construction and restored after. With `weight_transfer`
+    it takes weights in memory (see weight_transfer()): by NCCL on a GPU of its own, by CUDA IPC on a GPU
+    it shares, by gloo on CPU."""
     from vllm import LLM
 
     # Log-probabilities returned with samples are those of the distribution sampled from (after temperature).
@@ -900,6 +908,7 @@ def start_vllm(args, model_path):
                   "(--vllm-gpu-memory-utilization); it has no GPU of its own", flush=True)
         env = {"CUDA_VISIBLE_DEVICES": gpu}
         engine_args["gpu_memory_utilization"] = share
+        backend = "nccl" if shared is None else "ipc"
     else:
         cores = sorted(os.sched_getaffinity(0))[-args.vllm_cpu_cores:]
         env = {"VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, cores))}
@@ -912,6 +921,12 @@ def start_vllm(args, model_path):
         # A prompt whose prefill is split over steps makes vLLM rewind its seeded sampler, which
         # torch's CPU generator cannot do; without chunked prefill every prompt is prefilled whole.
         engine_args["enable_chunked_prefill"] = False
+        backend = "gloo"
+        if weight_transfer:  # vLLM's engine process looks it up in this script, which registers "gloo" there
+            module = os.path.splitext(os.path.basename(__file__))[0]
+            engine_args["worker_extension_cls"] = f"{module}.VllmWorkerExtension"
+    if weight_transfer:
+        engine_args["weight_transfer_config"] = {"backend": backend}
     saved = {name: os.environ.get(name) for name in env}
     os.environ.update(env)
     try:
@@ -968,6 +983,281 @@ def save_for_vllm(policy, path):
         policy.module.save_pretrained(path, state_dict=state_dict)
 
 
+def in_thread(function, *args):
+    """Start function(*args) in a daemon thread, so that a call stuck in a dead engine can be left behind rather
+    than waited for; returns its Future."""
+    done = concurrent.futures.Future()
+
+    def run():
+        try:
+            done.set_result(function(*args))
+        except BaseException as error:
+            done.set_exception(error)
+
+    threading.Thread(target=run, name=getattr(function, "__name__", "call"), daemon=True).start()
+    return done
+
+
+class VllmClient:
+    """vLLM's weight-sync calls on an engine (what vLLM's trainer-side weight transfer engines call: its
+    VLLMWeightSyncClient), each bounded: a hand-off that hangs, the field's most reported failure, ends
+    in an error naming its step, after `timeout` seconds or as soon as the engine process dies."""
+
+    def __init__(self, llm, timeout):
+        self.llm, self.timeout = llm, timeout
+
+    def init_weight_transfer_engine(self, init_info):
+        self._call("init_weight_transfer_engine", {"init_info": init_info})
+
+    def start_weight_update(self):
+        self._call("start_weight_update")
+
+    def update_weights(self, update_info):
+        self._call("update_weights", {"update_info": update_info})
+
+    def finish_weight_update(self, weight_version=None):
+        self._call("finish_weight_update")
+        self._call("reset_prefix_cache")  # see load_into_vllm
+
+    def _call(self, step, *request):
+        done = in_thread(getattr(self.llm, step), *request)
+        deadline = time.time() + self.timeout
+        while True:
+            try:
+                return done.result(timeout=0.1)
+            except TimeoutError:
+                pass
+            if self.llm.llm_engine.engine_core.resources.engine_dead:
+                raise RuntimeError(f"weight hand-off: vLLM's engine process died during {step}")
+            if time.time() > deadline:
+                raise TimeoutError(f"weight hand-off: {step} took more than {self.timeout} s (--generation-timeout)")
+
+
+class PolicyWeights:
+    """The policy's parameters as vLLM's trainer-side weight transfer engines take them (a vLLM WeightSource): their
+    names, dtypes and shapes up front, then the tensors one at a time in the same order. Every rank iterates: under
+    ZeRO-3 each module's parameters are gathered in turn and released after, so no device holds the whole model."""
+
+    def __init__(self, module):
+        self.module = module
+
+    def _by_module(self):
+        seen = set()  # a tied weight (one parameter under two names) goes once, as named_parameters() gives it
+        for prefix, submodule in self.module.named_modules():
+            own = [(name, p) for name, p in submodule.named_parameters(prefix=prefix, recurse=False) if id(p) not in seen]
+            seen.update(id(p) for _, p in own)
+            if own:
+                yield own
+
+    def metadata(self):
+        from vllm.distributed.weight_transfer.base import ParamMeta
+
+        return [ParamMeta(name, p.dtype, tuple(getattr(p, "ds_shape", p.shape)))  # ds_shape: ZeRO-3's full shape
+                for own in self._by_module() for name, p in own]
+
+    def __iter__(self):
+        for own in self._by_module():
+            with deepspeed.zero.GatheredParameters([p for _, p in own]):  # does nothing unless ZeRO-3 partitioned them
+                for name, p in own:  # a gathered parameter is copied: its memory goes when the context ends
+                    yield name, p.detach().clone() if hasattr(p, "ds_id") else p.detach()
+
+
+@functools.cache
+def gloo_weight_transfer():
+    """vLLM's NCCL weight transfer engines (worker and trainer side) with a gloo process group in place of NCCL's
+    communicator, for vLLM on CPU: the same calls, metadata and layer-wise reload (but the trainer's send_weights
+    leaves the end of the update to finish(), see there). The tensors' bytes go in buckets of about 64 MiB, cut
+    where the metadata says on both sides; one bucket travels while the trainer packs the next, and vLLM's worker
+    receives them all before loading any, into buffers it keeps (a copy of the model's bytes; the file path's
+    /dev/shm directory holds one too, for a while): new memory is slow to touch.
+    Registers the worker's engine with vLLM as backend "gloo" (in the process that calls this) and returns both."""
+    import dataclasses
+    import datetime
+    from typing import ClassVar
+
+    from vllm.distributed.weight_transfer.base import TrainerInitInfo, WeightTransferInitInfo
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+    from vllm.distributed.weight_transfer.nccl_engine import (NCCLTrainerWeightTransferEngine,
+                                                              NCCLWeightTransferEngine)
+
+    def connect(store, rank, timeout):  # trainer rank 0, vLLM's worker rank 1
+        return dist.ProcessGroupGloo(dist.PrefixStore("weights", store), rank, 2, datetime.timedelta(seconds=timeout))
+
+    def as_bytes(tensor):
+        return tensor.contiguous().view(-1).view(torch.uint8)
+
+    bucket_bytes = 64 * 2**20
+
+    @dataclasses.dataclass
+    class GlooInitInfo(WeightTransferInitInfo):
+        master_address: str
+        master_port: int
+        timeout: float
+
+    @dataclasses.dataclass
+    class GlooTrainerInitInfo(TrainerInitInfo):
+        backend: ClassVar[str] = "gloo"
+        timeout: float = 600.0
+
+    class GlooWeightTransferEngine(NCCLWeightTransferEngine):
+        init_info_cls = GlooInitInfo
+
+        def init_transfer_engine(self, init_info):
+            store = dist.TCPStore(init_info.master_address, init_info.master_port, 2, is_master=False,
+                                  timeout=datetime.timedelta(seconds=init_info.timeout))
+            self.model_update_group = connect(store, 1, init_info.timeout)
+            self.buffers = []
+
+        def update_weights(self, update_info):  # vLLM's synchronizes the accelerator after, which a CPU torch refuses
+            self.receive_weights(self.parse_update_info(update_info))
+
+        def receive_weights(self, update_info):
+            tensors = [(name, getattr(torch, dtype), shape) for name, dtype, shape in
+                       zip(update_info.names, update_info.dtype_names, update_info.shapes)]
+            buckets, bucket, size = [], [], 0
+            for i, (name, dtype, shape) in enumerate(tensors):
+                bucket.append((name, dtype, shape, math.prod(shape) * dtype.itemsize))
+                size += bucket[-1][3]
+                if size >= bucket_bytes or i == len(tensors) - 1:  # the trainer's cut, from the same sizes
+                    if len(self.buffers) == len(buckets):  # kept for the next update: new memory is slow to touch
+                        self.buffers.append(torch.empty(size, dtype=torch.uint8))
+                    received = self.buffers[len(buckets)]
+                    buckets.append((self.model_update_group.broadcast(received, 0), received, bucket))
+                    bucket, size = [], 0
+            for work, _, _ in buckets:  # all bytes first: the learner is free as soon as they are here
+                work.wait()
+            for _, received, bucket in buckets:
+                weights, offset = [], 0
+                for name, dtype, shape, nbytes in bucket:
+                    weights.append((name, received[offset: offset + nbytes].view(dtype).view(shape)))
+                    offset += nbytes
+                self.model.load_weights(weights)
+
+        def shutdown(self):
+            self.model_update_group = None
+
+    class GlooTrainerWeightTransferEngine(NCCLTrainerWeightTransferEngine):
+        init_info_cls = GlooTrainerInitInfo
+
+        @classmethod
+        def trainer_init(cls, init_info, *, client, source=None):
+            engine = cls(client=client, source=source, is_sender=init_info.is_sender, packed=False)
+            engine.slots = [torch.empty(0, dtype=torch.uint8), torch.empty(0, dtype=torch.uint8)]
+            if engine.is_sender:  # vLLM's worker joins the group while this process opens it
+                store = dist.TCPStore("127.0.0.1", 0, 2, is_master=True, wait_for_workers=False,
+                                      timeout=datetime.timedelta(seconds=init_info.timeout))
+                with concurrent.futures.ThreadPoolExecutor(1) as executor:
+                    joined = executor.submit(client.init_weight_transfer_engine, {
+                        "master_address": "127.0.0.1", "master_port": store.port, "timeout": init_info.timeout})
+                    engine.model_update_group = connect(store, 0, init_info.timeout)
+                    joined.result()
+            return engine
+
+        def send_weights(self):
+            """vLLM's, returning once the bytes have gone: vLLM's worker goes on loading them, and finish() (the
+            generator's, before its next batch) waits for that and finishes the update. On CPU vLLM's worker
+            re-packs every layer it loads (about 1.5 s a GB), which is thus the generator's time, not the learner's."""
+            meta = self.source.metadata()
+            if self.is_sender:
+                self.client.start_weight_update()
+                self.receiving = in_thread(self.client.update_weights, {
+                    "names": [m.name for m in meta], "dtype_names": [str(m.dtype).split(".")[-1] for m in meta],
+                    "shapes": [list(m.shape) for m in meta]})
+            self._broadcast(self.source, meta)
+
+        def finish(self):
+            self.receiving.result()
+            self.client.finish_weight_update()
+
+        def _broadcast(self, source, meta):
+            if not self.is_sender:
+                for _ in source:  # the other ranks take part in ZeRO-3's gathers
+                    pass
+                return
+            bucket, size, sending = [], 0, None
+            for i, (_, tensor) in enumerate(self._checked_iter(source, meta)):
+                bucket.append(as_bytes(tensor))
+                size += bucket[-1].numel()
+                if size >= bucket_bytes or i == len(meta) - 1:
+                    # Packed into one of two buffers kept across updates (new memory is slow to touch) while the
+                    # other is being sent.
+                    self.slots.reverse()
+                    if self.slots[0].numel() < size:
+                        self.slots[0] = torch.empty(size, dtype=torch.uint8)
+                    packed = torch.cat(bucket, out=self.slots[0][:size])
+                    if sending is not None:
+                        sending.wait()
+                    sending = self.model_update_group.broadcast(packed, 0)
+                    bucket, size = [], 0
+            sending.wait()
+
+        def shutdown(self):
+            self.model_update_group = None
+
+    if "gloo" not in WeightTransferEngineFactory._registry:
+        WeightTransferEngineFactory.register_engine("gloo", GlooWeightTransferEngine)
+    return GlooWeightTransferEngine, GlooTrainerWeightTransferEngine
+
+
+def __getattr__(name):
+    """vLLM's engine process on CPU looks up this script's VllmWorkerExtension, which start_vllm names as its worker
+    extension: the lookup (of a name the script does not define, so it lands here) registers the gloo weight transfer
+    backend in that process, where the engine is created. The extension itself adds nothing."""
+    if name != "VllmWorkerExtension":
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    gloo_weight_transfer()
+    return type(name, (), {})
+
+
+def weight_transfer(args, llm, module, rank):
+    """The learner's end of the in-memory weight hand-off: vLLM's trainer-side engine for the backend vLLM's engine
+    was started with (start_vllm: NCCL to a GPU of its own, CUDA IPC on one it shares, gloo on CPU), connected to
+    it. Every rank calls this and its send_weights(): rank 0 sends, the others take part in ZeRO-3's gathers."""
+    from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo, IPCTrainerWeightTransferEngine
+    from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo, NCCLTrainerWeightTransferEngine
+
+    backend = [llm.llm_engine.vllm_config.weight_transfer_config.backend if rank == 0 else None]
+    if args.world_size > 1:  # the other ranks learn it from rank 0
+        dist.broadcast_object_list(backend, src=0)
+    if backend[0] == "nccl":
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        engine, info = NCCLTrainerWeightTransferEngine, NCCLTrainerInitInfo("127.0.0.1", port, 2, rank=rank)
+    elif backend[0] == "ipc":
+        # packed: in bounded chunks (unpacked, it would keep a copy of every tensor until the update ends)
+        engine, info = IPCTrainerWeightTransferEngine, IPCTrainerInitInfo(rank=rank, packed=True)
+    else:
+        engine = gloo_weight_transfer()[1]
+        info = engine.init_info_cls(rank=rank, timeout=args.generation_timeout)
+    client = VllmClient(llm, args.generation_timeout) if rank == 0 else None
+    return engine.trainer_init(info, client=client, source=PolicyWeights(module))
+
+
+def hand_over_weights(policy, version, *, transfer, generator, weights_dir):
+    """Give vLLM version `version` of the policy: in memory through `transfer` (weight_transfer()), or with None as a
+    save_pretrained directory that the generator loads. Every rank calls this; `generator` is rank 0's, else None.
+    Returns the seconds spent waiting for the generator to finish batches of older policies."""
+    path, waited = None, 0.0
+    if transfer is None:
+        path = os.path.join(weights_dir, f"policy-{version}")
+        save_for_vllm(policy, path)
+    else:
+        if generator is not None:  # vLLM's weights change between batches only, when the generator wants this version
+            start = time.time()
+            generator.wait_for_receiver(version)
+            waited = time.time() - start
+        try:
+            transfer.send_weights()
+        except Exception as error:
+            if generator is not None:  # the likeliest cause: vLLM's engine died ("the generator failed: ...")
+                generator._raise_if_generator_failed()
+            raise RuntimeError(f"handing version {version} of the policy to vLLM failed: {error}") from error
+    if generator is not None:
+        generator.publish(version, path, finish=getattr(transfer, "finish", None))
+    return waited
+
+
 def weights_root(run_dir, needed_bytes, shm="/dev/shm"):
     """Where the weights handed to vLLM go: memory (/dev/shm) when it has room for `needed_bytes`, else the
     run directory, said in one line. A container's /dev/shm is often 64 MB."""
@@ -1012,15 +1302,16 @@ class Generator:
 
     The engine runs in its own process, so generation and training overlap; this thread only feeds it, one batch
     after another, each with the policy version generating_version() names, which it waits for. The learner
-    hands every version over with publish() and takes the batches, in order, with get(). Every wait is bounded
-    by --generation-timeout; an error in the generator, or the death of vLLM's engine, is raised in the learner."""
+    hands every version over with publish() (in memory: after sending it while the generator waits for it, see
+    wait_for_receiver()) and takes the batches, in order, with get(). Every wait is bounded by --generation-timeout;
+    an error in the generator, or the death of vLLM's engine, is raised in the learner."""
 
     def __init__(self, args, llm, *, weights_dir, train_prompts, prompts_per_rank, k, stop_id, first_version,
                  off_policy_steps, resumed_batches=()):
         self.args, self.llm, self.weights_dir, self.stop_id = args, llm, weights_dir, stop_id
         self.train_prompts, self.prompts_per_rank, self.k = train_prompts, prompts_per_rank, k
         self.first_version, self.off_policy_steps = first_version, off_policy_steps
-        self.batches, self.versions = queue.Queue(), queue.Queue()
+        self.batches, self.versions, self.receivers = queue.Queue(), queue.Queue(), queue.Queue()
         # Batches the learner will take before the queue's: those a checkpoint kept (the thread generates the
         # batches after them), then those peek() has taken out of the queue.
         self.ahead = collections.deque(resumed_batches)
@@ -1028,11 +1319,21 @@ class Generator:
         self.error = None
         self.stopping = threading.Event()
         self.thread = threading.Thread(target=self._run, name="generator", daemon=True)
+
+    def start(self):
         self.thread.start()
 
-    def publish(self, version, weights_path):
-        """Hand the generator version `version` of the policy, a save_pretrained directory that it deletes."""
-        self.versions.put((version, weights_path))
+    def publish(self, version, weights_path=None, finish=None):
+        """Hand the generator version `version` of the policy: a save_pretrained directory that it loads and deletes,
+        or None for weights sent to vLLM in memory, whose update `finish`, if given, completes."""
+        self.versions.put((version, weights_path, finish))
+
+    def wait_for_receiver(self, version):
+        """Wait until the generator has generated every batch of older policies and waits for this version: then the
+        learner may replace vLLM's weights in memory."""
+        ready = self._take(self.receivers, f"the generator to take version {version} of the policy",
+                           check=self._raise_if_generator_failed)
+        assert ready == version, (ready, version)
 
     def get(self):
         """The next GeneratedBatch, for the learner: raises the generator's error, or the engine's death, as
@@ -1051,8 +1352,12 @@ class Generator:
     def close(self):
         """Stop the thread and the engine and delete the handed-over weights (safe to call twice)."""
         self.stopping.set()
+        if self.args.weight_sync == "memory" and not self.llm.llm_engine.engine_core.resources.engine_dead:
+            with contextlib.suppress(Exception):  # else vLLM's worker, holding the connection, exits 10 s later
+                VllmClient(self.llm, timeout=5)._call("shutdown_weight_transfer_engine")
         self.llm.llm_engine.engine_core.shutdown(timeout=30)
-        self.thread.join(timeout=5)  # a daemon: if it is stuck in a dead engine, the process exits without it
+        if self.thread.is_alive():
+            self.thread.join(timeout=5)  # a daemon: if it is stuck in a dead engine, the process exits without it
         shutil.rmtree(self.weights_dir, ignore_errors=True)
 
     def _raise_if_generator_failed(self):
@@ -1082,9 +1387,13 @@ class Generator:
             for update in range(self.first_update, args.num_updates + 1):
                 t0 = time.time()
                 while loaded < generating_version(update, self.first_version, self.off_policy_steps):
-                    loaded, weights_path = self._take(self.versions, "new weights", check=lambda: None)
-                    load_into_vllm(self.llm, weights_path)
-                    shutil.rmtree(weights_path, ignore_errors=True)
+                    self.receivers.put(loaded + 1)  # for wait_for_receiver(): vLLM is idle until the next version
+                    loaded, weights_path, finish = self._take(self.versions, "new weights", check=lambda: None)
+                    if weights_path is not None:
+                        load_into_vllm(self.llm, weights_path)
+                        shutil.rmtree(weights_path, ignore_errors=True)
+                    if finish is not None:
+                        finish()
                 t1 = time.time()
                 # Every rank's prompts, rank after rank, as the synchronous scripts choose them.
                 prompts = [self.train_prompts[i] for r in range(world_size) for i in
@@ -1127,13 +1436,15 @@ if __name__ == "__main__":
         start_update, episode = load_checkpoint(latest_checkpoint(args.resume), {"policy": policy})
         resumed_batches = load_generated_batches(latest_checkpoint(args.resume))
 
-    # vLLM on rank 0, started from the learner's weights (version start_update: the SFT policy, or
-    # the resumed one). Weights move through memory (/dev/shm) when it has room for the K + 1 versions
-    # that can be on their way at once, else through the run directory; each version is deleted once
-    # vLLM has loaded it. Rank 0's process id keeps two runs of one name (a sweep) apart.
+    # vLLM on rank 0, started from the learner's weights (version start_update: the SFT policy, or the resumed one)
+    # in a save_pretrained directory. The later versions go in memory (--weight-sync memory, vLLM's weight transfer)
+    # or through such directories, in /dev/shm when it has room for the K + 1 versions that can be on their way at
+    # once, else in the run directory; each is deleted once vLLM has loaded it. Rank 0's process id keeps two runs
+    # of one name (a sweep) apart.
     off_policy_steps = 0 if args.sync else args.off_policy_steps  # K
     version_bytes = sum(getattr(p, "ds_numel", p.numel()) for p in policy.module.parameters()) * (2 if args.bf16 else 4)
-    root = weights_root(run_dir, (off_policy_steps + 1) * version_bytes) if rank == 0 else run_dir  # only rank 0 writes
+    copies = off_policy_steps + 1 if args.weight_sync == "file" else 1
+    root = weights_root(run_dir, copies * version_bytes) if rank == 0 else run_dir  # only rank 0 writes
     weights_dir = os.path.join(root, f"{run_name}-{os.getpid()}-weights")
     for signum in (signal.SIGTERM, signal.SIGINT):  # exit through the clean-ups (atexit), also while vLLM starts,
         if signal.getsignal(signum) is not signal.SIG_IGN:  # where a KeyboardInterrupt is lost; a job started with
@@ -1142,12 +1453,17 @@ if __name__ == "__main__":
     save_for_vllm(policy, os.path.join(weights_dir, f"policy-{start_update}"))
     if rank == 0:
         tokenizer.save_pretrained(os.path.join(weights_dir, f"policy-{start_update}"))
-        llm = start_vllm(args, os.path.join(weights_dir, f"policy-{start_update}"))
+        llm = start_vllm(args, os.path.join(weights_dir, f"policy-{start_update}"), args.weight_sync == "memory")
         shutil.rmtree(os.path.join(weights_dir, f"policy-{start_update}"))
         generator = Generator(args, llm, weights_dir=weights_dir, train_prompts=train_prompts,
                               prompts_per_rank=prompts_per_rank, k=args.k, stop_id=stop_id, first_version=start_update,
                               off_policy_steps=off_policy_steps, resumed_batches=resumed_batches)
         atexit.register(generator.close)  # on every way out: the end, an error, Ctrl-C, SIGTERM
+    # The in-memory hand-off connects before the generator starts: then only its thread uses vLLM (but while it waits
+    # for weights, see wait_for_receiver()).
+    transfer = weight_transfer(args, llm if rank == 0 else None, policy.module, rank) if args.weight_sync == "memory" else None
+    if rank == 0:
+        generator.start()
 
     run_log = RunLog(args, run_dir, run_name, start_update)  # metrics.jsonl (rank 0), wandb with --track
     if rank == 0:
@@ -1237,10 +1553,10 @@ if __name__ == "__main__":
         t3 = time.time()
 
         # 5. Hand the new weights to vLLM, if a later batch is to be generated by them.
+        waited = 0.0  # for the generator to finish batches of older policies: idle, like waiting for a batch
         if generating_version(args.num_updates, start_update, off_policy_steps) >= update:
-            save_for_vllm(policy, os.path.join(weights_dir, f"policy-{update}"))
-            if rank == 0:
-                generator.publish(update, os.path.join(weights_dir, f"policy-{update}"))
+            waited = hand_over_weights(policy, update, transfer=transfer, generator=generator if rank == 0 else None,
+                              weights_dir=weights_dir)
         t4 = time.time()
 
         # 6. Log, evaluate, save.
@@ -1266,10 +1582,10 @@ if __name__ == "__main__":
             "async/mismatch_kl": mismatch_kl(logprobs, behaviour_logprobs, ~padding_mask),
             **is_stats,
             "time/generation": batch.generation_time,
-            "time/generation_wait": t1 - t0,
+            "time/generation_wait": t1 - t0 + waited,
             "time/scoring": t2 - t1,
             "time/training": t3 - t2,
-            "time/weight_save": t4 - t3,
+            "time/weight_sync": t4 - t3 - waited,
             "time/weight_load": batch.load_time,
         }, device)
         metrics.update({"lr": policy.get_lr()[0], "episode": episode,

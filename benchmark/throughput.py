@@ -155,7 +155,7 @@ def run_ours(script, precision, workload, updates, output_dir, quick):
     end = [row["episode"] / row["time/episodes_per_second"] for row in rows]
     timed = rows[2:]
     phases = {name: statistics.mean(row.get(f"time/{name}", 0.0) for row in timed)
-              for name in ("generation", "generation_wait", "scoring", "training", "weight_save")}
+              for name in ("generation", "generation_wait", "scoring", "training", "weight_sync")}
     return {"eps": (rows[-1]["episode"] - rows[1]["episode"]) / (end[-1] - end[1]), **phases,
             "response_length": statistics.mean(row["val/response_length"] for row in timed)}
 
@@ -271,9 +271,9 @@ def main():
             line += f"{median[system] / median[baseline]:7.2f}" if baseline in median else f"{'':7}"
             if not system.startswith("trl"):
                 phase = {name: statistics.median(r[name] for r in runs)
-                         for name in ("generation", "generation_wait", "scoring", "training", "weight_save", "train_flops")}
+                         for name in ("generation", "generation_wait", "scoring", "training", "weight_sync", "train_flops")}
                 line += (f"   {phase['generation']:6.3f}{phase['generation_wait']:6.3f}{phase['scoring']:6.3f}"
-                         f"{phase['training']:6.3f}{phase['weight_save']:6.3f}"
+                         f"{phase['training']:6.3f}{phase['weight_sync']:6.3f}"
                          f"   {phase['train_flops'] / 1e9:13.1f}{phase['train_flops'] / peaks[precision]:8.0%}")
             print(line)
     for precision in options.precision:

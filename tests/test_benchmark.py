@@ -1,5 +1,6 @@
-"""benchmark/throughput.py keeps working: its quick mode (no TRL) runs every script on the benchmark's
-workload and prints a row of figures for each. No timing is asserted: CI machines differ."""
+"""The benchmarks keep working: throughput.py's quick mode (no TRL) runs every script on the benchmark's
+workload and prints a row of figures for each; weight_sync.py times both weight hand-offs on its smallest
+model. No timing is asserted: CI machines differ."""
 
 import sys
 
@@ -16,9 +17,19 @@ def test_throughput_quick_mode_prints_episodes_per_second_and_phases_of_every_sc
     rows = {line.split()[0]: line.split()[1:] for line in output.splitlines() if line.split()[:1] in [[s] for s in SCRIPTS]}
     assert sorted(rows) == sorted(SCRIPTS), output
     for script, cells in rows.items():
-        eps_min, eps_median, generation, wait, scoring, training, weight_save, train_gflops = map(float, cells[:8])
+        eps_min, eps_median, generation, wait, scoring, training, weight_sync, train_gflops = map(float, cells[:8])
         assert 0 < eps_min <= eps_median and cells[8].endswith("%"), (script, cells)
         assert generation > 0 and scoring > 0 and training > 0 and train_gflops > 0, (script, cells)
         # Only the asynchronous script waits for batches and hands weights over.
-        assert (weight_save > 0) == (script == "online_dpo_vllm.py"), (script, cells)
+        assert (weight_sync > 0) == (script == "online_dpo_vllm.py"), (script, cells)
     assert not any(line.startswith("trl") for line in output.splitlines())  # TRL is not installed by CI
+
+
+def test_weight_sync_benchmark_times_both_hand_offs_and_vllm_gets_the_learners_weights():
+    output = run([sys.executable, "benchmark/weight_sync.py", "--sizes", "3M", "--precisions", "fp32", "--repeats",
+                  "1"], timeout=600).stdout
+    (row,) = [line.split() for line in output.splitlines() if line.split()[:2] == ["3M", "fp32"]]
+    seconds = [float(cell.rstrip("s")) for cell in row[3:8]]
+    assert all(s > 0 for s in seconds) and seconds[2] == pytest.approx(seconds[0] + seconds[1], abs=2e-3), row
+    file_gap, memory_gap = (float(cell.rstrip(",")) for cell in row[10:12])
+    assert file_gap < 1e-4 and memory_gap < 1e-4, row  # float32: vLLM's log-probabilities are the learner's

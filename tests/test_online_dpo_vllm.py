@@ -1,6 +1,7 @@
 """online_dpo_vllm.py's own parts: weights handed to vLLM, generator failure. (Its runs, learning,
 resume, off-policy steps under DeepSpeed and bad input are in test_scripts_run.py with the other scripts.)"""
 
+import copy
 import functools
 import os
 import signal
@@ -71,8 +72,24 @@ def _logprobs_hf(model, prompts, keys):
     return out
 
 
+def _train(model, prompts, tokenizer, answer):
+    """Train the HF model a little, until it answers `answer` to every prompt."""
+    target = tokenizer.encode(answer, add_special_tokens=False) + [tokenizer.eos_token_id]
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    for _ in range(30):
+        for prompt in prompts:
+            ids = torch.tensor([prompt + target])
+            loss = model(input_ids=ids, labels=ids.masked_fill(torch.arange(ids.shape[1]) < len(prompt), -100)).loss
+            loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    model.eval()
+
+
 @pytest.mark.parametrize("kind", ["gpt_neox", "llama"])
 def test_after_a_weight_push_vllm_greedy_equals_hf_greedy(tmp_path, monkeypatch, kind):
+    """Both hand-offs: in memory (vLLM's weight transfer, over gloo on CPU) and, after more training, through a
+    save_pretrained directory (--weight-sync file)."""
     tokenizer = AutoTokenizer.from_pretrained(os.path.join(TINY, "sft"))
     model = _policy(kind, tokenizer).eval()
     prompts = [tokenizer.encode(p) for p in PROMPTS]
@@ -82,7 +99,8 @@ def test_after_a_weight_push_vllm_greedy_equals_hf_greedy(tmp_path, monkeypatch,
     # vLLM on a GPU caches blocks of 16 tokens; on a CPU 128 unless told: 32 makes the shared block cacheable.
     monkeypatch.setattr(vllm, "LLM", functools.partial(vllm.LLM, block_size=32))
     args = script.Args(bf16=False, response_length=12, batch_size=8, vllm_enforce_eager=True)
-    llm = script.start_vllm(args, str(tmp_path / "v0"))
+    args.world_size = 1
+    llm = script.start_vllm(args, str(tmp_path / "v0"), weight_transfer=True)
     try:
         if kind == "gpt_neox":  # the same seed gives the same batch whatever vLLM ran before; another seed another
             first = script.vllm_generate(llm, prompts, 2, 12, tokenizer.eos_token_id, temperature=0.7, seed=5)
@@ -92,26 +110,25 @@ def test_after_a_weight_push_vllm_greedy_equals_hf_greedy(tmp_path, monkeypatch,
             assert len(first[0]) == 6 and first[0][0] != first[0][3]  # two different samples of the first prompt
         before = _greedy_vllm(llm, prompts, tokenizer, 12)
         assert before == _greedy_hf(model, prompts, tokenizer, 12)
-        # Train the HF model a little (it learns to answer "beach plane"), then hand the weights over.
-        target = tokenizer.encode(" beach plane", add_special_tokens=False) + [tokenizer.eos_token_id]
-        optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
-        for _ in range(30):
-            for prompt in prompts:
-                ids = torch.tensor([prompt + target])
-                loss = model(input_ids=ids, labels=ids.masked_fill(torch.arange(ids.shape[1]) < len(prompt), -100)).loss
-                loss.backward()
-            optimizer.step()
-            optimizer.zero_grad()
-        model.eval()
-        model.save_pretrained(tmp_path / "v1")
-        script.load_into_vllm(llm, str(tmp_path / "v1"))
+        # Train the HF model a little (it learns to answer "beach plane"), then hand the weights over in memory.
+        _train(model, prompts, tokenizer, " beach plane")
+        transfer = script.weight_transfer(args, llm, model, rank=0)
+        script.hand_over_weights(model, 1, transfer=transfer, generator=None, weights_dir=None)
+        transfer.finish()  # the generator's part: vLLM's worker has loaded the weights, the update is finished
         after = _greedy_vllm(llm, prompts, tokenizer, 12)
         after_logprobs = _logprobs_vllm(llm, prompts, 4)
         sampled, behaviour_logprobs = script.vllm_generate(llm, prompts, 2, 12, tokenizer.eos_token_id,
                                                            temperature=0.7, seed=3)
+        assert after == _greedy_hf(model, prompts, tokenizer, 12)
+        # Through a directory: the fallback, and the way the first version reaches vLLM in every run.
+        after_model = copy.deepcopy(model)
+        _train(model, prompts, tokenizer, " code router")
+        model.save_pretrained(tmp_path / "v2")
+        script.load_into_vllm(llm, str(tmp_path / "v2"))
+        assert _greedy_vllm(llm, prompts, tokenizer, 12) == _greedy_hf(model, prompts, tokenizer, 12) != after
     finally:
         llm.llm_engine.engine_core.shutdown(timeout=30)
-    assert after == _greedy_hf(model, prompts, tokenizer, 12)
+    model = after_model
     # ... with the new weights' probabilities: no key or value of the shared block survives from the old weights.
     expected = _logprobs_hf(model, prompts, after_logprobs)
     difference = max(abs(after_logprobs[key] - expected[key]) for key in expected)
@@ -128,6 +145,37 @@ def test_after_a_weight_push_vllm_greedy_equals_hf_greedy(tmp_path, monkeypatch,
         difference = max(difference, (torch.tensor(logprobs) - hf).abs().max().item())
     assert difference < 1e-4, difference
     assert all(response[-1] == tokenizer.eos_token_id for response in after)  # the stop token is kept
+
+
+def test_an_engine_killed_during_an_in_memory_push_ends_it_within_seconds(tmp_path):
+    """vLLM's engine process dies while the learner is sending it weights: the hand-off raises an error saying so,
+    instead of waiting for a receiver that is gone (a hang here is the field's most reported failure)."""
+    model = AutoModelForCausalLM.from_pretrained(os.path.join(TINY, "sft"))
+    args = script.Args(bf16=False, response_length=12, batch_size=8, vllm_enforce_eager=True)
+    args.world_size = 1
+    llm = script.start_vllm(args, os.path.join(TINY, "sft"), weight_transfer=True)
+    (engine,) = [p for p in psutil.Process().children(recursive=True)
+                 if p.cmdline() and p.cmdline()[0].startswith("VLLM::EngineCore")]
+
+    class KillingWeights(script.PolicyWeights):  # the engine dies after the first tensors have gone
+        def __iter__(self):
+            for i, item in enumerate(super().__iter__()):
+                if i == 3:
+                    engine.send_signal(signal.SIGKILL)
+                yield item
+
+    trainer = script.gloo_weight_transfer()[1]
+    transfer = trainer.trainer_init(trainer.init_info_cls(rank=0, timeout=600),
+                                    client=script.VllmClient(llm, timeout=600), source=KillingWeights(model))
+    start = time.time()
+    try:
+        # The learner's side fails if the bytes cannot go; else the generator's, finishing the update, does.
+        with pytest.raises(RuntimeError, match="handing version 1 of the policy to vLLM failed|engine process died"):
+            script.hand_over_weights(model, 1, transfer=transfer, generator=None, weights_dir=None)
+            transfer.finish()
+    finally:
+        llm.llm_engine.engine_core.shutdown(timeout=30)
+    assert time.time() - start < 30
 
 
 def test_a_dead_generator_stops_the_run_with_its_error(tmp_path):

@@ -31,7 +31,7 @@ COMMON_METRICS = [
 DPO_METRICS = ["pairs/scores", "pairs/kl", "pairs/entropy", "pairs/non_score_reward", "pairs/rlhf_reward",
                "objective/scores_margin", "logps/chosen",
                "logps/rejected", "rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies"]
-ASYNC_METRICS = ["async/off_policy_steps", "time/generation_wait", "time/weight_save", "time/weight_load"]
+ASYNC_METRICS = ["async/off_policy_steps", "time/generation_wait", "time/weight_sync", "time/weight_load"]
 CORRECTION_METRICS = ["async/mismatch_kl", "async/is_ess", "async/is_truncated"]
 ALGORITHM_METRICS = {
     "rloo.py": ["objective/kl", "objective/entropy", "objective/non_score_reward", "objective/rlhf_reward",
@@ -137,7 +137,7 @@ def test_default_run_logs_saves_and_learns(tmp_path, command, proxy_margin, gold
         assert abs(first["loss/policy_avg"]) < 1e-5 and first["loss/value_avg"] > 0
     if script.endswith("_vllm.py"):  # the first batch comes from the SFT policy, later ones K = 1 update late
         assert [row["async/off_policy_steps"] for row in rows[1:]] == [0] + [0 if "--sync" in command else 1] * 99
-        assert all(row["time/weight_save"] > 0 for row in rows[1:3])
+        assert all(row["time/weight_sync"] > 0 for row in rows[1:3])
     if "async/mismatch_kl" in rows[1]:
         # Behaviour (vLLM) against proximal (learner) log-probabilities. In float32, on-policy (K = 0), the two
         # engines agree: the importance weights are 1. One update late, at this learning rate, they are not.
@@ -181,7 +181,10 @@ RESUME = [[script] for script in SCRIPTS if not script.endswith("_vllm.py")] + [
 @pytest.mark.parametrize("command", RESUME, ids=[" ".join(c) for c in RESUME])
 def test_resume_after_a_kill_reproduces_the_uninterrupted_run(tmp_path, command):
     common = [*command, "--total-episodes", "384", "--eval-every", "2", "--save-every", "2"]
-    run_script(*common, "--output-dir", str(tmp_path / "whole"))
+    # online_dpo_vllm.py's uninterrupted run hands its weights to vLLM through files: in float32 the in-memory
+    # hand-off (the default, which the killed and resumed runs take) gives vLLM the same weights, bit for bit.
+    files = ["--weight-sync", "file"] if command[0] == "online_dpo_vllm.py" else []
+    run_script(*common, *files, "--output-dir", str(tmp_path / "whole"))
     whole = read_metrics(run_dir_of(tmp_path / "whole"))
 
     # Kill a second run as soon as its first checkpoint is complete, then resume it.
@@ -254,8 +257,9 @@ def launch_two_processes(tmp_path, port, command, nodes):
 
 
 # (script, its own arguments, updates of 2 ranks x 32 responses, whether ZeRO-3 runs on two nodes). rloo_vllm.py
-# runs 5 updates 2 policies late: batches 4 and 5 come from weights that rank 0 gathered (ZeRO-3) and pushed to
-# vLLM, and the off-policy correction weights them; the other *_vllm.py scripts share its generator and hand-off.
+# runs 5 updates 2 policies late: batches 4 and 5 come from weights that rank 0 gathered (ZeRO-3, module by module)
+# and handed to vLLM in memory (under ZeRO-2 through files), and the off-policy correction weights them; the other
+# *_vllm.py scripts share its generator and hand-off.
 # Two nodes of one process each must train as one node of two does: the same numbers, vLLM on node 0 alone.
 TWO_PROCESS = [("rloo.py", [], 3, True), ("ppo.py", [], 3, False),
                ("rloo_vllm.py", ["--off-policy-steps", "2", "--vllm-enforce-eager"], 5, True)]
@@ -268,7 +272,8 @@ def test_two_process_deepspeed_zero2_and_zero3_train_the_same_model(tmp_path, sc
         out, port = tmp_path / f"zero{stage}", free_port()
         nodes = 2 if two_nodes and stage == 3 else 1
         outputs = launch_two_processes(tmp_path, port, [
-            script, *arguments, "--deepspeed-config", f"ds_configs/zero{stage}.json", "--per-device-train-batch-size",
+            script, *arguments, *(["--weight-sync", "file"] if script == "rloo_vllm.py" and stage == 2 else []),
+            "--deepspeed-config", f"ds_configs/zero{stage}.json", "--per-device-train-batch-size",
             "32", "--total-episodes", str(64 * updates), "--output-dir", str(out)], nodes)
         for left in glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_*_{port}_*"):  # DeepSpeed's CPU op leaves 64 MB a rank
             os.remove(left)
@@ -449,6 +454,7 @@ BAD_INPUT = [  # (script, arguments, the argument the error must name)
     ("online_dpo_vllm.py", ["--off-policy-steps", "0"], "--off-policy-steps"),
     ("online_dpo_vllm.py", ["--vllm-cpu-cores", "100000"], "--vllm-cpu-cores"),
     ("online_dpo_vllm.py", ["--generation-timeout", "0"], "--generation-timeout"),
+    ("bok_vllm.py", ["--weight-sync", "disk"], "--weight-sync"),
     ("online_dpo_vllm.py", ["--k", "3"], "--k"),
     ("rloo_vllm.py", ["--is-cap", "-1"], "--is-cap"),
     ("ppo_vllm.py", ["--is-cap", "inf"], "--is-cap"),
