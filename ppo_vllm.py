@@ -1212,7 +1212,7 @@ def gloo_weight_transfer():
         def send_weights(self):
             """vLLM's, returning once the bytes have gone: vLLM's worker goes on loading them, and finish() (the
             generator's, before its next batch) waits for that and finishes the update. On CPU vLLM's worker
-            re-packs every layer it loads (about 1.5 s a GB), which is thus the generator's time, not the learner's."""
+            re-packs every layer it loads (1.5-2 s a GB), which is thus the generator's time, not the learner's."""
             meta = self.source.metadata()
             if self.is_sender:
                 self.client.start_weight_update()

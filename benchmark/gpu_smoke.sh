@@ -6,11 +6,12 @@
 #
 # 1 GPU:  each script alone (rloo, online_dpo, bok, ppo: HF generation; the *_vllm.py scripts: vLLM colocated
 #         on the training GPU with the memory share it chose), finite metrics, off-policy steps 0,1,1,1; evaluate.py
-#         with vLLM. This is where NCCL meets CPU tensors (gloo beside it), bf16, and vLLM's memory check. Prints
+#         with vLLM; the in-memory hand-off over CUDA IPC, and a run through files with the same scores. This is
+#         where NCCL meets CPU tensors (gloo beside it), bf16, and vLLM's memory check. Prints
 #         the off-policy correction's bf16 mismatch KL between vLLM and the learner (measured nowhere else).
 # 2 GPUs: rloo.py and ppo.py under ZeRO-3 (collectives on NCCL, parameters gathered per module).
 # 3 GPUs: deepspeed --num_gpus 2 online_dpo_vllm.py with ZeRO-3: vLLM on GPU 2 (read from nvidia-smi while it
-#         runs), K = 2 off-policy steps, weights gathered and handed over every update.
+#         runs), K = 2 off-policy steps, weights gathered and handed over every update by NCCL.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-$(mktemp -d)}/gpu_smoke
@@ -75,6 +76,16 @@ print(f"INFO {sys.argv[2]} bf16: async/mismatch_kl " + " ".join(f"{r['async/mism
 EOF
   done
   check 1gpu_vllm_shares_gpu_0 grep -q "vLLM shares GPU 0 with training and takes" "$out/1gpu_online_dpo_vllm.log"
+  # The in-memory hand-off on a shared GPU is vLLM's CUDA IPC backend; through files, the same run's numbers.
+  check 1gpu_weight_transfer_ipc grep -q "Creating weight transfer engine: IPCWeightTransferEngine" "$out/1gpu_online_dpo_vllm.log"
+  check 1gpu_online_dpo_vllm_file bash -c "$(declare -f run1); CUDA_VISIBLE_DEVICES=0 run1 online_dpo_vllm.py --weight-sync file --output-dir $out/1gpu_vllm_file"
+  check 1gpu_memory_and_file_agree python - "$out/1gpu_vllm" "$out/1gpu_vllm_file" <<'EOF'
+import glob, json, sys
+runs = [[json.loads(line) for line in open(glob.glob(f"{out}/*__*/metrics.jsonl")[0])] for out in sys.argv[1:]]
+gaps = [abs(a["objective/scores"] - b["objective/scores"]) for a, b in zip(*runs) if "objective/scores" in a]
+print("objective/scores, memory - file:", gaps)
+sys.exit(max(gaps) > 0.05)
+EOF
   check 1gpu_evaluate_vllm bash -c "CUDA_VISIBLE_DEVICES=0 python evaluate.py --checkpoints $(ls -d $out/1gpu_vllm/*__*) --num-eval-prompts 256 --backend vllm --output $out/evaluation.json"
 else echo "SKIP vLLM checks (vllm is not installed)"; fi
 
@@ -94,6 +105,7 @@ if [ "$gpus" -ge 3 ] && python -c "import vllm" 2>/dev/null; then
     --num-eval-prompts 64 --output-dir "$out/3gpu_vllm"
   check 3gpu_online_dpo_vllm_metrics metrics_ok "$out/3gpu_vllm" 5 0 1 2 2 2
   check 3gpu_vllm_on_gpu_2 bash -c "[ \"\$(sort -u $out/vllm_gpus.txt | tr '\n' ' ')\" = '2 ' ]"
+  check 3gpu_weight_transfer_nccl grep -q "Creating weight transfer engine: NCCLWeightTransferEngine" "$out/3gpu_online_dpo_vllm.log"
 else echo "SKIP 3-GPU checks ($gpus GPU(s), or vllm not installed)"; fi
 echo "$passed passed, $failed failed"
 [ "$failed" = 0 ]
