@@ -253,7 +253,7 @@ def check_model_path(argument, path):
 def check_model(args, argument, reward=False):
     """A model argument, before anything loads: a directory (a hub id is checked when it loads) whose config
     reads, that holds a tokenizer and, for a reward model, a sequence classifier (any other model would get
-    a score head of random weights)."""
+    a score head of random weights); for a policy, anything but a sequence classifier."""
     path = getattr(args, argument)
     check_model_path(argument, path)
     if not os.path.isdir(path):
@@ -265,9 +265,12 @@ def check_model(args, argument, reward=False):
     tokenizer_files = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
     if not any(os.path.isfile(os.path.join(path, name)) for name in tokenizer_files):
         fail(argument, f"{path} has no tokenizer")
-    if reward and not any(name.endswith("ForSequenceClassification") for name in config.architectures or []):
+    classifier = any(name.endswith("ForSequenceClassification") for name in config.architectures or [])
+    if reward and not classifier:
         fail(argument, f"{path} is not a reward model: its architectures are {config.architectures}, "
                        "not a ...ForSequenceClassification")
+    if not reward and classifier:  # it would load as a language model with an untrained output layer
+        fail(argument, f"{path} is a reward model ({config.architectures[0]}), not a language model")
 
 
 def check_rewards(args):
@@ -311,16 +314,33 @@ def check_files(args):
         fail("output_dir", f"{args.output_dir} is a file, not a directory")
 
 
+RESUME_KEEPS = ("seed", "dataset_name", "dataset_train_split", "max_prompt_length", "response_length", "k",
+                "per_device_train_batch_size", "gradient_accumulation_steps", "num_mini_batches", "total_episodes",
+                "world_size", "off_policy_steps", "sync")
+
+
 def check_resume(args):
-    """--resume names a run or checkpoint directory of this script."""
+    """--resume names a run or checkpoint directory of this script, written with this run's RESUME_KEEPS: the
+    arguments that decide which prompts each update takes, how its batches are made and sampled, and (in *_vllm.py)
+    how stale they are, so that the resumed run repeats the stopped one. Others (logging, evaluation) may change."""
     if args.resume is None:
         return
     if not os.path.isdir(args.resume):
         fail("resume", f"no such directory: {args.resume}")
-    with open(os.path.join(latest_checkpoint(args.resume), "trainer_state.json")) as f:
-        script = json.load(f).get("script")
+    path = os.path.join(latest_checkpoint(args.resume), "trainer_state.json")
+    try:
+        with open(path) as f:
+            state = json.load(f)
+        script, saved = state.get("script"), state.get("args", {})
+    except (OSError, ValueError, AttributeError) as error:
+        fail("resume", f"cannot read {path}: {error}")
     if script not in (None, os.path.basename(__file__)):
         fail("resume", f"{args.resume} holds a checkpoint of {script}, not of {os.path.basename(__file__)}")
+    for name in RESUME_KEEPS:
+        if name in saved and hasattr(args, name) and getattr(args, name) != saved[name]:
+            what = "processes" if name == "world_size" else f"as --{name.replace('_', '-')}"
+            fail("resume", f"{path} was written with {saved[name]} {what}, this run has {getattr(args, name)}: "
+                           "a resumed run must keep it")
 
 
 def load_prompts(args, tokenizer):
@@ -967,6 +987,7 @@ class VllmClient:
 
     def __init__(self, llm, timeout):
         self.llm, self.timeout = llm, timeout
+        self.failure = None  # the error of a call that failed, for hand_off_watchdog()
 
     def init_weight_transfer_engine(self, init_info):
         self._call("init_weight_transfer_engine", {"init_info": init_info})
@@ -990,9 +1011,37 @@ class VllmClient:
             except TimeoutError:
                 pass
             if self.llm.llm_engine.engine_core.resources.engine_dead:
-                raise RuntimeError(f"weight hand-off: vLLM's engine process died during {step}")
+                self.failure = f"weight hand-off: vLLM's engine process died during {step}"
+                raise RuntimeError(self.failure)
             if time.time() > deadline:
-                raise TimeoutError(f"weight hand-off: {step} took more than {self.timeout} s (--generation-timeout)")
+                self.failure = f"weight hand-off: {step} took more than {self.timeout} s (--generation-timeout)"
+                raise TimeoutError(self.failure)
+
+
+@contextlib.contextmanager
+def hand_off_watchdog(step, client):
+    """Bound a part of the weight hand-off that may never return: in a collective (NCCL's broadcast, gloo's) whose
+    other end died or hangs, the learner waits for ever, and no exception can reach it there. If `client` (a
+    VllmClient) reports a failed call and the block has not ended 5 s later, or the block runs 5 s past the client's
+    timeout, print one line naming the step, run the clean-ups registered with atexit (vLLM's engine processes, the
+    weights directory) and end the process with exit code 1. A failure that the block raises itself goes the usual way."""
+    ended = threading.Event()
+
+    def watch():
+        started, failed = time.time(), None
+        while not ended.wait(0.1):
+            failed = failed or (client.failure and time.time())
+            if (failed and time.time() > failed + 5) or time.time() > started + client.timeout + 5:
+                message = client.failure or f"weight hand-off: {step} did not end in {client.timeout} s (--generation-timeout)"
+                print(f"error: {message}", file=sys.stderr, flush=True)
+                atexit._run_exitfuncs()  # the main thread, stuck, will never run them
+                os._exit(1)
+
+    threading.Thread(target=watch, name="hand-off watchdog", daemon=True).start()
+    try:
+        yield
+    finally:
+        ended.set()
 
 
 class PolicyWeights:
@@ -1042,8 +1091,10 @@ def gloo_weight_transfer():
     from vllm.distributed.weight_transfer.nccl_engine import (NCCLTrainerWeightTransferEngine,
                                                               NCCLWeightTransferEngine)
 
-    def connect(store, rank, timeout):  # trainer rank 0, vLLM's worker rank 1
-        return dist.ProcessGroupGloo(dist.PrefixStore("weights", store), rank, 2, datetime.timedelta(seconds=timeout))
+    def connect(store, rank, timeout):  # trainer rank 0, vLLM's worker rank 1; the trainer's hand_off_watchdog()
+        # ends a stuck broadcast first, as it does NCCL's, which has no timeout
+        return dist.ProcessGroupGloo(dist.PrefixStore("weights", store), rank, 2,
+                                     datetime.timedelta(seconds=timeout + 60))
 
     def as_bytes(tensor):
         return tensor.contiguous().view(-1).view(torch.uint8)
@@ -1192,8 +1243,11 @@ def weight_transfer(args, llm, module, rank):
     else:
         engine = gloo_weight_transfer()[1]
         info = engine.init_info_cls(rank=rank, timeout=args.generation_timeout)
-    client = VllmClient(llm, args.generation_timeout) if rank == 0 else None
-    return engine.trainer_init(info, client=client, source=PolicyWeights(module))
+    if rank != 0:
+        return engine.trainer_init(info, client=None, source=PolicyWeights(module))
+    client = VllmClient(llm, args.generation_timeout)
+    with hand_off_watchdog("connecting to vLLM's worker", client):
+        return engine.trainer_init(info, client=client, source=PolicyWeights(module))
 
 
 def hand_over_weights(policy, version, *, transfer, generator, weights_dir):
@@ -1210,7 +1264,9 @@ def hand_over_weights(policy, version, *, transfer, generator, weights_dir):
             generator.wait_for_receiver(version)
             waited = time.time() - start
         try:
-            transfer.send_weights()
+            client = getattr(transfer, "client", None)  # rank 0's
+            with hand_off_watchdog(f"sending version {version}", client) if client else contextlib.nullcontext():
+                transfer.send_weights()
         except Exception as error:
             if generator is not None:  # the likeliest cause: vLLM's engine died ("the generator failed: ...")
                 generator._raise_if_generator_failed()
@@ -1218,6 +1274,15 @@ def hand_over_weights(policy, version, *, transfer, generator, weights_dir):
     if generator is not None:
         generator.publish(version, path, finish=getattr(transfer, "finish", None))
     return waited
+
+
+def exit_on_signals():
+    """Make SIGTERM and SIGINT exit through the clean-ups registered with atexit (vLLM's engine processes, the weights
+    directory), also while vLLM starts, where a KeyboardInterrupt would be lost. A job started with `&` keeps
+    ignoring Ctrl-C."""
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        if signal.getsignal(signum) is not signal.SIG_IGN:
+            signal.signal(signum, lambda signum, frame: sys.exit(128 + signum))
 
 
 def weights_root(run_dir, needed_bytes, shm="/dev/shm"):
@@ -1408,9 +1473,7 @@ if __name__ == "__main__":
     copies = off_policy_steps + 1 if args.weight_sync == "file" else 1
     root = weights_root(run_dir, copies * version_bytes) if rank == 0 else run_dir  # only rank 0 writes
     weights_dir = os.path.join(root, f"{run_name}-{os.getpid()}-weights")
-    for signum in (signal.SIGTERM, signal.SIGINT):  # exit through the clean-ups (atexit), also while vLLM starts,
-        if signal.getsignal(signum) is not signal.SIG_IGN:  # where a KeyboardInterrupt is lost; a job started with
-            signal.signal(signum, lambda signum, frame: sys.exit(128 + signum))  # `&` keeps ignoring Ctrl-C
+    exit_on_signals()
     atexit.register(shutil.rmtree, weights_dir, ignore_errors=True)
     save_for_vllm(policy, os.path.join(weights_dir, f"policy-{start_update}"))
     if rank == 0:

@@ -29,11 +29,13 @@ checkpoints) or from HF generation (`--backend hf`).
 import glob
 import importlib.util
 import json
+import math
 import os
 import re
 import sys
 import time
 from dataclasses import asdict, dataclass
+from types import SimpleNamespace
 from typing import Optional
 
 import torch
@@ -111,6 +113,8 @@ def validate(args):
     if args.checkpoints is None:
         fail("checkpoints", "required: a run directory, a checkpoint or a model")
     check_model_path("checkpoints", args.checkpoints)
+    for checkpoint in find_checkpoints(args.checkpoints):  # each loads as a policy (only a hub id is checked later)
+        check_model(SimpleNamespace(checkpoints=checkpoint, trust_remote_code=args.trust_remote_code), "checkpoints")
     check_model(args, "sft_model_path")
     if args.rule_reward is not None:
         if args.rule_reward not in RULE_REWARDS:
@@ -120,6 +124,14 @@ def validate(args):
         fail("gold_reward_model_path", "required: the win rate is measured with a gold reward model")
     else:
         check_model(args, "gold_reward_model_path", reward=True)
+    for name, value in asdict(args).items():
+        if isinstance(value, float) and not math.isfinite(value):
+            fail(name, f"must be a finite number, got {value}")
+    if not 0 <= args.seed < 2**31:  # the training scripts' range
+        fail("seed", f"must be in [0, 2**31), got {args.seed}")
+    if args.output is not None and (os.path.isdir(args.output)
+                                    or not os.path.isdir(os.path.dirname(os.path.abspath(args.output)))):
+        fail("output", f"must be a file in an existing directory, got {args.output}")  # found before, not after, the work
     if args.temperature < 0:
         fail("temperature", f"must be 0 (greedy) or more, got {args.temperature}")
     if args.kl_temperature <= 0:
@@ -308,7 +320,7 @@ def check_model_path(argument, path):
 def check_model(args, argument, reward=False):
     """A model argument, before anything loads: a directory (a hub id is checked when it loads) whose config
     reads, that holds a tokenizer and, for a reward model, a sequence classifier (any other model would get
-    a score head of random weights)."""
+    a score head of random weights); for a policy, anything but a sequence classifier."""
     path = getattr(args, argument)
     check_model_path(argument, path)
     if not os.path.isdir(path):
@@ -320,9 +332,12 @@ def check_model(args, argument, reward=False):
     tokenizer_files = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
     if not any(os.path.isfile(os.path.join(path, name)) for name in tokenizer_files):
         fail(argument, f"{path} has no tokenizer")
-    if reward and not any(name.endswith("ForSequenceClassification") for name in config.architectures or []):
+    classifier = any(name.endswith("ForSequenceClassification") for name in config.architectures or [])
+    if reward and not classifier:
         fail(argument, f"{path} is not a reward model: its architectures are {config.architectures}, "
                        "not a ...ForSequenceClassification")
+    if not reward and classifier:  # it would load as a language model with an untrained output layer
+        fail(argument, f"{path} is a reward model ({config.architectures[0]}), not a language model")
 
 
 def load_tokenizer(path, trust_remote_code):

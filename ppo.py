@@ -280,7 +280,7 @@ def check_model_path(argument, path):
 def check_model(args, argument, reward=False):
     """A model argument, before anything loads: a directory (a hub id is checked when it loads) whose config
     reads, that holds a tokenizer and, for a reward model, a sequence classifier (any other model would get
-    a score head of random weights)."""
+    a score head of random weights); for a policy, anything but a sequence classifier."""
     path = getattr(args, argument)
     check_model_path(argument, path)
     if not os.path.isdir(path):
@@ -292,9 +292,12 @@ def check_model(args, argument, reward=False):
     tokenizer_files = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
     if not any(os.path.isfile(os.path.join(path, name)) for name in tokenizer_files):
         fail(argument, f"{path} has no tokenizer")
-    if reward and not any(name.endswith("ForSequenceClassification") for name in config.architectures or []):
+    classifier = any(name.endswith("ForSequenceClassification") for name in config.architectures or [])
+    if reward and not classifier:
         fail(argument, f"{path} is not a reward model: its architectures are {config.architectures}, "
                        "not a ...ForSequenceClassification")
+    if not reward and classifier:  # it would load as a language model with an untrained output layer
+        fail(argument, f"{path} is a reward model ({config.architectures[0]}), not a language model")
 
 
 def check_rewards(args):
@@ -338,16 +341,33 @@ def check_files(args):
         fail("output_dir", f"{args.output_dir} is a file, not a directory")
 
 
+RESUME_KEEPS = ("seed", "dataset_name", "dataset_train_split", "max_prompt_length", "response_length", "k",
+                "per_device_train_batch_size", "gradient_accumulation_steps", "num_mini_batches", "total_episodes",
+                "world_size", "off_policy_steps", "sync")
+
+
 def check_resume(args):
-    """--resume names a run or checkpoint directory of this script."""
+    """--resume names a run or checkpoint directory of this script, written with this run's RESUME_KEEPS: the
+    arguments that decide which prompts each update takes, how its batches are made and sampled, and (in *_vllm.py)
+    how stale they are, so that the resumed run repeats the stopped one. Others (logging, evaluation) may change."""
     if args.resume is None:
         return
     if not os.path.isdir(args.resume):
         fail("resume", f"no such directory: {args.resume}")
-    with open(os.path.join(latest_checkpoint(args.resume), "trainer_state.json")) as f:
-        script = json.load(f).get("script")
+    path = os.path.join(latest_checkpoint(args.resume), "trainer_state.json")
+    try:
+        with open(path) as f:
+            state = json.load(f)
+        script, saved = state.get("script"), state.get("args", {})
+    except (OSError, ValueError, AttributeError) as error:
+        fail("resume", f"cannot read {path}: {error}")
     if script not in (None, os.path.basename(__file__)):
         fail("resume", f"{args.resume} holds a checkpoint of {script}, not of {os.path.basename(__file__)}")
+    for name in RESUME_KEEPS:
+        if name in saved and hasattr(args, name) and getattr(args, name) != saved[name]:
+            what = "processes" if name == "world_size" else f"as --{name.replace('_', '-')}"
+            fail("resume", f"{path} was written with {saved[name]} {what}, this run has {getattr(args, name)}: "
+                           "a resumed run must keep it")
 
 
 def load_prompts(args, tokenizer):

@@ -4,6 +4,7 @@ import glob
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -69,3 +70,42 @@ def assert_bad_input_result(result, seconds, argument):
     assert len(errors) == 1 and errors[0].startswith(f"error: {argument}:"), result.stderr[-2000:]
     assert "Traceback" not in result.stderr
     assert seconds < 60
+
+
+def bad_path(tmp_path, kind):
+    """A path that exists but holds the wrong thing, made under tmp_path/bad."""
+    path = tmp_path / "bad" / kind
+    path.mkdir(parents=True)
+    if kind in ("BAD_DATASET", "EMPTY_SPLIT"):  # no `query` column; an empty test split
+        for split in ("train", "test"):
+            (path / f"{split}.jsonl").write_text('{"prompt": "hello"}\n' if kind == "BAD_DATASET" else
+                                                 '{"query": "hello"}\n' * (split == "train"))
+    elif kind == "CHAT_DATASET":
+        for split in ("train", "test"):
+            (path / f"{split}.jsonl").write_text('{"messages": [{"role": "user", "content": "2 + 3?"}], "answer": "5"}\n' * 64)
+    elif kind in ("CORRUPT_CONFIG", "NO_TOKENIZER"):
+        shutil.copytree(os.path.join(TINY, "sft"), path, dirs_exist_ok=True)
+        if kind == "CORRUPT_CONFIG":
+            (path / "config.json").write_text('{"model_type": "gpt_neox", ')
+        else:
+            for name in ("tokenizer.json", "tokenizer_config.json"):
+                (path / name).unlink()
+    elif kind == "NOT_JSON":
+        path = path / "zero2.json"
+        path.write_text('{"zero_optimization": {"stage": 2},')
+    elif kind == "A_FILE":
+        path = os.path.join(TINY, "sft", "config.json")
+    elif kind == "PPO_CHECKPOINT":  # a checkpoint written by another script
+        (path / "checkpoint-2").mkdir()
+        (path / "checkpoint-2" / "trainer_state.json").write_text('{"script": "ppo.py", "update": 2, "episode": 128}')
+    elif kind == "BROKEN_CHECKPOINT":  # cut off while written by hand, or by an older version
+        (path / "checkpoint-2").mkdir()
+        (path / "checkpoint-2" / "trainer_state.json").write_text('{"script": "rloo.py", "upd')
+    elif kind in ("RLOO_RUN_K4", "ASYNC_RUN"):  # a run of rloo.py with 4 samples a prompt; an asynchronous one
+        script, arguments = ("rloo.py", {"k": 4, "seed": 1}) if kind == "RLOO_RUN_K4" else \
+            ("online_dpo_vllm.py", {"k": 2, "seed": 1, "off_policy_steps": 1, "sync": False})
+        (path / "checkpoint-2").mkdir()
+        (path / "checkpoint-2" / "trainer_state.json").write_text(json.dumps(
+            {"script": script, "update": 2, "episode": 128, "args": arguments}))
+        (path / "metrics.jsonl").write_text('{"update": 0}\n{"update": 1}\n{"update": 2}\n')
+    return str(path)

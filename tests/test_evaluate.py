@@ -5,7 +5,7 @@ import os
 
 import pytest
 import torch
-from conftest import TINY, assert_bad_input, assert_bad_input_result, run_dir_of, run_script
+from conftest import TINY, assert_bad_input, assert_bad_input_result, bad_path, run_dir_of, run_script
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 pytestmark = pytest.mark.slow  # runs scripts or vLLM engines: minutes
@@ -62,9 +62,18 @@ def test_win_rate_and_kl_of_every_checkpoint_with_both_backends(trained_run, tmp
     (["--checkpoints", "assets/tiny/sft", "--dataset-name", "assets/tiny/chat_data", "--dataset-eval-split", "train"],
      "--reference-column"),  # chats without a final reply, and no reference column
     (["--checkpoints", "assets/tiny/sft", "--gold-reward-model-path", "assets/tiny/sft"], "--gold-reward-model-path"),
+    (["--checkpoints", "assets/tiny/sft", "--temperature", "nan"], "--temperature"),
+    (["--checkpoints", "assets/tiny/sft", "--seed", "-1"], "--seed"),
+    (["--checkpoints", "assets/tiny/sft", "--output", "assets/tiny"], "--output"),  # a directory
+    (["--checkpoints", "assets/tiny/sft", "--output", "/nonexistent/evaluation.json"], "--output"),
+    (["--checkpoints", "assets/tiny/reward"], "--checkpoints"),  # a reward model, not a policy
+    (["--checkpoints", "CORRUPT_CONFIG"], "--checkpoints"),
+    (["--checkpoints", "NO_TOKENIZER"], "--checkpoints"),
+    (["--checkpoints", "A_FILE"], "--checkpoints"),
 ])
-def test_bad_input_exits_2_with_one_line_naming_the_argument(arguments, argument):
-    assert_bad_input("evaluate.py", arguments, argument)
+def test_bad_input_exits_2_with_one_line_naming_the_argument(tmp_path, arguments, argument):
+    """Found before any model loads (a bad --output, say, not after the whole evaluation)."""
+    assert_bad_input("evaluate.py", [bad_path(tmp_path, a) if a.isupper() else a for a in arguments], argument)
 
 
 def test_the_output_directory_instead_of_a_run_names_the_run_to_pass(trained_run):

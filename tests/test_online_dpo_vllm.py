@@ -1,6 +1,7 @@
 """online_dpo_vllm.py's own parts: weights handed to vLLM, generator failure. (Its runs, learning,
 resume, off-policy steps under DeepSpeed and bad input are in test_scripts_run.py with the other scripts.)"""
 
+import contextlib
 import copy
 import functools
 import os
@@ -176,6 +177,70 @@ def test_an_engine_killed_during_an_in_memory_push_ends_it_within_seconds(tmp_pa
     finally:
         llm.llm_engine.engine_core.shutdown(timeout=30)
     assert time.time() - start < 30
+
+
+# vLLM's worker stops answering (SIGSTOP) after the learner has begun a push: the learner is then stuck in the
+# broadcast, where no timeout of the collective's own helps on a GPU (NCCL has none). Its watchdog must end it.
+HUNG_PUSH = """
+import atexit, os, signal, sys
+import psutil
+from transformers import AutoTokenizer, GPTNeoXConfig, GPTNeoXForCausalLM
+import online_dpo_vllm as script
+
+tokenizer = AutoTokenizer.from_pretrained(sys.argv[2])
+model = GPTNeoXForCausalLM(GPTNeoXConfig(vocab_size=len(tokenizer), hidden_size=512, intermediate_size=2048,
+                                         num_hidden_layers=4, num_attention_heads=8, max_position_embeddings=128))
+model.save_pretrained(sys.argv[1])  # 50 MB: more than sockets buffer, so the broadcast waits for vLLM
+tokenizer.save_pretrained(sys.argv[1])
+args = script.Args(bf16=False, response_length=12, batch_size=8, vllm_enforce_eager=True, generation_timeout=5)
+args.world_size = 1
+llm = script.start_vllm(args, sys.argv[1], weight_transfer=True)
+atexit.register(llm.llm_engine.engine_core.shutdown)  # as the scripts' generator.close
+(worker,) = [p for p in psutil.Process().children(recursive=True) if p.cmdline()[:1] == ["VLLM::Worker"]]
+transfer = script.weight_transfer(args, llm, model, 0)
+
+
+class StoppingWeights(script.PolicyWeights):  # vLLM's worker stops once the push has begun
+    def __iter__(self):
+        for i, item in enumerate(super().__iter__()):
+            if i == 3:
+                worker.send_signal(signal.SIGSTOP)
+            yield item
+
+
+transfer.source = StoppingWeights(model)
+print("pushing", flush=True)
+script.hand_over_weights(model, 1, transfer=transfer, generator=None, weights_dir=None)
+print("the push returned")
+"""
+
+
+def test_a_hand_off_stuck_in_the_broadcast_ends_with_one_line_naming_the_step(tmp_path):
+    process = subprocess.Popen([sys.executable, "-c", HUNG_PUSH, str(tmp_path / "model"), os.path.join(TINY, "sft")],
+                               cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               env={**os.environ, "PYTHONPATH": ROOT}, start_new_session=True)
+    family, pushing = [], None
+    try:
+        while pushing is None:  # the engine's processes, once it has started
+            line = process.stdout.readline()
+            assert line, process.communicate()[1][-3000:]
+            if line.startswith("pushing"):
+                pushing = time.time()
+                family = psutil.Process(process.pid).children(recursive=True)
+        stdout, stderr = process.communicate(timeout=120)
+        took = time.time() - pushing
+        alive = [p for p in psutil.wait_procs(family, timeout=10)[1] if p.status() != psutil.STATUS_ZOMBIE]
+    finally:
+        for p in family:  # a stopped process would stay for ever
+            with contextlib.suppress(psutil.NoSuchProcess):
+                p.kill()
+        os.killpg(process.pid, signal.SIGKILL) if process.poll() is None else None
+    errors = [line for line in stderr.splitlines() if line.startswith("error:")]
+    # update_weights, the worker's receiving end, is the call in flight; it times out at 5 s, then the watchdog
+    # gives the stuck broadcast 5 s more to end on its own
+    assert errors == ["error: weight hand-off: update_weights took more than 5 s (--generation-timeout)"], stderr[-3000:]
+    assert process.returncode == 1 and "the push returned" not in stdout and 9 < took < 30, (process.returncode, took)
+    assert not alive, [(p.pid, p.name()) for p in alive]
 
 
 def test_a_dead_generator_stops_the_run_with_its_error(tmp_path):

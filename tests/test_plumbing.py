@@ -251,10 +251,20 @@ def test_zero3_weights_are_gathered_one_module_at_a_time(process_group, tmp_path
         return original(params, *a, **k)
 
     monkeypatch.setattr(deepspeed.zero, "GatheredParameters", recording)
-    state = online_dpo_vllm.gathered_state_dict(engine)
+    state = online_dpo_vllm.gathered_state_dict(engine)  # the file hand-off and checkpoints
     assert state.keys() == expected.keys()
     assert all(torch.equal(state[name], expected[name]) for name in expected)
     assert max(gathered) == largest_module < total / 3  # the embeddings, never the whole model
+    # The in-memory hand-off streams the parameters the same way, declaring their full shapes first.
+    gathered.clear()
+    weights = online_dpo_vllm.PolicyWeights(engine.module)
+    parameters = dict(model.named_parameters())
+    assert [(m.name, m.shape) for m in weights.metadata()] == [(n, tuple(p.ds_shape)) for n, p in parameters.items()]
+    streamed = dict(iter(weights))
+    assert streamed.keys() == parameters.keys()
+    assert all(torch.equal(streamed[name], expected[name]) for name in streamed)
+    assert max(gathered) == largest_module and len(gathered) > 4
+    assert all(p.numel() == 0 for p in engine.module.parameters())  # released after each module
 
 
 def _load_fresh(path, name):

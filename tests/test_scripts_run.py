@@ -11,11 +11,12 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
 import torch
-from conftest import (ROOT, TINY, algorithm_metrics, assert_bad_input_result, assert_finite, read_metrics, run,
+from conftest import (ROOT, TINY, algorithm_metrics, assert_bad_input_result, assert_finite, bad_path, read_metrics, run,
                       run_dir_of, run_script)
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
@@ -258,11 +259,12 @@ def launch_two_processes(tmp_path, port, command, nodes):
 
 # (script, its own arguments, updates of 2 ranks x 32 responses, whether ZeRO-3 runs on two nodes). rloo_vllm.py
 # runs 5 updates 2 policies late: batches 4 and 5 come from weights that rank 0 gathered (ZeRO-3, module by module)
-# and handed to vLLM in memory (under ZeRO-2 through files), and the off-policy correction weights them; the other
-# *_vllm.py scripts share its generator and hand-off.
+# and handed to vLLM in memory (under ZeRO-2 through files), and the off-policy correction weights them;
+# online_dpo_vllm.py, one update late, the same way. The other *_vllm.py scripts share their generator and hand-off.
 # Two nodes of one process each must train as one node of two does: the same numbers, vLLM on node 0 alone.
 TWO_PROCESS = [("rloo.py", [], 3, True), ("ppo.py", [], 3, False),
-               ("rloo_vllm.py", ["--off-policy-steps", "2", "--vllm-enforce-eager"], 5, True)]
+               ("rloo_vllm.py", ["--off-policy-steps", "2", "--vllm-enforce-eager"], 5, True),
+               ("online_dpo_vllm.py", ["--vllm-enforce-eager"], 3, True)]
 
 
 @pytest.mark.parametrize("script, arguments, updates, two_nodes", TWO_PROCESS, ids=[t[0] for t in TWO_PROCESS])
@@ -272,17 +274,19 @@ def test_two_process_deepspeed_zero2_and_zero3_train_the_same_model(tmp_path, sc
         out, port = tmp_path / f"zero{stage}", free_port()
         nodes = 2 if two_nodes and stage == 3 else 1
         outputs = launch_two_processes(tmp_path, port, [
-            script, *arguments, *(["--weight-sync", "file"] if script == "rloo_vllm.py" and stage == 2 else []),
+            script, *arguments, *(["--weight-sync", "file"] if script.endswith("_vllm.py") and stage == 2 else []),
             "--deepspeed-config", f"ds_configs/zero{stage}.json", "--per-device-train-batch-size",
             "32", "--total-episodes", str(64 * updates), "--output-dir", str(out)], nodes)
         for left in glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_*_{port}_*"):  # DeepSpeed's CPU op leaves 64 MB a rank
             os.remove(left)
-        if script == "rloo_vllm.py" and nodes == 2:  # the engine runs on node 0's rank 0 alone
+        if script.endswith("_vllm.py") and nodes == 2:  # the engine runs on node 0's rank 0 alone
             assert "EngineCore" in outputs[0] and "EngineCore" not in outputs[1]
         rows = read_metrics(run_dir_of(out))
         assert_finite(rows)
         assert [row["update"] for row in rows] == list(range(updates + 1)) and rows[-1]["episode"] == 64 * updates
         assert abs(rows[1]["objective/kl"]) < 1e-6
+        if script == "online_dpo_vllm.py":  # one update late (the default)
+            assert [row["async/off_policy_steps"] for row in rows[1:]] == [0, 1, 1]
         if script == "rloo_vllm.py":  # two updates late, the importance weights are no longer 1
             assert [row["async/off_policy_steps"] for row in rows[1:]] == [0, 1, 2, 2, 2]
             assert rows[1]["async/mismatch_kl"] < 1e-6 and rows[1]["async/is_ess"] > 1 - 1e-6
@@ -353,53 +357,49 @@ def test_a_signal_stops_an_asynchronous_run_and_leaves_nothing_behind(tmp_path, 
 
 
 def test_a_full_disk_while_saving_fails_in_one_line_and_keeps_the_last_checkpoint(tmp_path):
-    """A 16 MiB tmpfs holds the tiny task's first checkpoint (11 MiB) but not a second beside it."""
+    """An asynchronous run on a 16 MiB tmpfs, which holds the tiny task's first checkpoint (11 MiB) but not a second
+    beside it: one line, exit 1, the partial checkpoint removed, checkpoint-2 whole (with the batches generated
+    ahead of it), vLLM's engine and the handed-over weights gone. save_checkpoint is every script's."""
+    import psutil
     disk = tmp_path / "disk"
     disk.mkdir()
     subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(disk)], check=True)
     try:
-        result = run_script("rloo.py", "--total-episodes", "256", "--eval-every", "4", "--save-every", "2",
-                            "--output-dir", str(disk), check=False)
+        process = subprocess.Popen(
+            [sys.executable, "rloo_vllm.py", "--vllm-enforce-eager", "--total-episodes", "256", "--eval-every", "4",
+             "--save-every", "2", "--output-dir", str(disk)], cwd=ROOT, env={**os.environ, "WANDB_MODE": "offline"},
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
+        family, names = {}, set()  # every process the run starts, seen while it runs
+
+        def watch():
+            while process.poll() is None:
+                try:
+                    for child in psutil.Process(process.pid).children(recursive=True):
+                        family[child.pid] = child
+                        names.add(child.name())
+                except psutil.NoSuchProcess:
+                    pass
+                time.sleep(0.2)
+        watcher = threading.Thread(target=watch, daemon=True)
+        watcher.start()
+        stderr = process.communicate(timeout=600)[1]
+        watcher.join()
+        alive = [p for p in psutil.wait_procs(list(family.values()), timeout=10)[1] if p.status() != psutil.STATUS_ZOMBIE]
         run_dir = run_dir_of(disk)
         kept = sorted(os.listdir(run_dir))
         with open(os.path.join(run_dir, "checkpoint-2", "trainer_state.json")) as f:
             update = json.load(f)["update"]
+        batches = os.path.isfile(os.path.join(run_dir, "checkpoint-2", "generated_batches.json"))
         AutoModelForCausalLM.from_pretrained(os.path.join(run_dir, "checkpoint-2"))
     finally:
+        os.killpg(process.pid, signal.SIGKILL) if process.poll() is None else None
         subprocess.run(["umount", str(disk)], check=True)
-    errors = re.findall(r"error: .*", result.stderr)  # after the progress bar, on its line
-    assert result.returncode == 1 and len(errors) == 1, result.stderr[-3000:]
+    errors = re.findall(r"error: .*", stderr)  # after the progress bar, on its line
+    assert process.returncode == 1 and len(errors) == 1, stderr[-3000:]
     assert errors[0].startswith(f"error: could not write {run_dir}/checkpoint-4 (") and "MiB free on its disk" in errors[0]
-    assert kept == ["checkpoint-2", "metrics.jsonl"] and update == 2
-
-
-def _bad_path(tmp_path, kind):
-    """A path that exists but holds the wrong thing, made under tmp_path/bad."""
-    path = tmp_path / "bad" / kind
-    path.mkdir(parents=True)
-    if kind in ("BAD_DATASET", "EMPTY_SPLIT"):  # no `query` column; an empty test split
-        for split in ("train", "test"):
-            (path / f"{split}.jsonl").write_text('{"prompt": "hello"}\n' if kind == "BAD_DATASET" else
-                                                 '{"query": "hello"}\n' * (split == "train"))
-    elif kind == "CHAT_DATASET":
-        for split in ("train", "test"):
-            (path / f"{split}.jsonl").write_text('{"messages": [{"role": "user", "content": "2 + 3?"}], "answer": "5"}\n' * 64)
-    elif kind in ("CORRUPT_CONFIG", "NO_TOKENIZER"):
-        shutil.copytree(os.path.join(TINY, "sft"), path, dirs_exist_ok=True)
-        if kind == "CORRUPT_CONFIG":
-            (path / "config.json").write_text('{"model_type": "gpt_neox", ')
-        else:
-            for name in ("tokenizer.json", "tokenizer_config.json"):
-                (path / name).unlink()
-    elif kind == "NOT_JSON":
-        path = path / "zero2.json"
-        path.write_text('{"zero_optimization": {"stage": 2},')
-    elif kind == "A_FILE":
-        path = os.path.join(TINY, "sft", "config.json")
-    elif kind == "PPO_CHECKPOINT":  # a checkpoint written by another script
-        (path / "checkpoint-2").mkdir()
-        (path / "checkpoint-2" / "trainer_state.json").write_text('{"script": "ppo.py", "update": 2, "episode": 128}')
-    return str(path)
+    assert kept == ["checkpoint-2", "metrics.jsonl"] and update == 2 and batches
+    assert any(name.startswith("VLLM::") for name in names) and not alive, (names, [p.pid for p in alive])
+    assert not glob.glob(f"/dev/shm/*-{process.pid}-weights")
 
 
 BAD_INPUT = [  # (script, arguments, the argument the error must name)
@@ -425,6 +425,9 @@ BAD_INPUT = [  # (script, arguments, the argument the error must name)
         (["--reward-model-path", "assets/tiny/sft"], "--reward-model-path"),  # a policy, not a reward model
         (["--dataset-name", "EMPTY_SPLIT"], "--dataset-name"),
         (["--resume", "PPO_CHECKPOINT"], "--resume"),
+        (["--resume", "BROKEN_CHECKPOINT"], "--resume"),
+        (["--resume", "RLOO_RUN_K4"], "--resume"),  # other batches than the run it resumes
+        (["--sft-model-path", "assets/tiny/reward"], "--sft-model-path"),  # a reward model, not a policy
         (["--deepspeed-config", "NOT_JSON"], "--deepspeed-config"),
         (["--output-dir", "A_FILE"], "--output-dir"),
         (["--kl-coef", "-0.1"], "--kl-coef"),
@@ -461,20 +464,29 @@ BAD_INPUT = [  # (script, arguments, the argument the error must name)
     ("ppo_vllm.py", ["--off-policy-steps", "0"], "--off-policy-steps"),
     ("bok_vllm.py", ["--k", "3"], "--k"),
     ("rloo_vllm.py", ["--seed", str(2**32)], "--seed"),  # would overflow vLLM's sampling seed after loading
+    ("online_dpo_vllm.py", ["--sync", "--resume", "ASYNC_RUN"], "--resume"),  # its saved batches are stale
+    ("rloo.py", ["--k", "4", "--resume", "RLOO_RUN_K4", "--stop-token", "no such token"], "--stop-token"),  # found
+    # once the tokenizer has loaded, and still before anything is written into the run it resumes
 ]
 
 
 @pytest.fixture(scope="module")
 def bad_input_runs(tmp_path_factory):
     """Every BAD_INPUT case run once, two at a time: each is mostly a Python process starting on one core.
-    Returns (the finished process, its seconds, its output directory) per case."""
+    Returns (the finished process, its seconds, its output directory, whether the bad paths, runs among them,
+    are as they were) per case."""
+    def files_under(directory):
+        return {path: path.read_bytes() for path in directory.rglob("*") if path.is_file()}
+
     def one(case):
         script, arguments, _ = BAD_INPUT[case]
         tmp = tmp_path_factory.mktemp(f"bad_input_{case}")
-        arguments = [_bad_path(tmp, a) if a.isupper() else a for a in arguments]
+        arguments = [bad_path(tmp, a) if a.isupper() else a for a in arguments]
         output_dir = [] if "--output-dir" in arguments else ["--output-dir", str(tmp)]
+        before = files_under(tmp)
         started = time.time()
-        return run_script(script, *arguments, *output_dir, check=False), time.time() - started, tmp
+        result = run_script(script, *arguments, *output_dir, check=False)
+        return result, time.time() - started, tmp, files_under(tmp) == before
 
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         return list(pool.map(one, range(len(BAD_INPUT))))
@@ -482,9 +494,9 @@ def bad_input_runs(tmp_path_factory):
 
 @pytest.mark.parametrize("case", range(len(BAD_INPUT)), ids=[f"{s} {' '.join(a)}" for s, a, _ in BAD_INPUT])
 def test_bad_input_exits_2_with_one_line_naming_the_argument(bad_input_runs, case):
-    result, seconds, tmp = bad_input_runs[case]
+    result, seconds, tmp, untouched = bad_input_runs[case]
     assert_bad_input_result(result, seconds, BAD_INPUT[case][2])
-    assert set(os.listdir(tmp)) <= {"bad"}  # nothing was run
+    assert set(os.listdir(tmp)) <= {"bad"} and untouched  # nothing was run or written, not even into a resumed run
 
 
 def test_random_tiny_llama_works_as_policy_and_reward_model(tmp_path):
