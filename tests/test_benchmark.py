@@ -9,11 +9,13 @@ from conftest import run
 
 pytestmark = pytest.mark.slow  # runs scripts or vLLM engines: minutes
 
-SCRIPTS = ["rloo.py", "online_dpo.py", "bok.py", "ppo.py", "online_dpo_vllm.py"]
+SCRIPTS = ["rloo.py", "online_dpo_vllm.py"]
 
 
 def test_throughput_quick_mode_prints_episodes_per_second_and_phases_of_every_script():
-    output = run([sys.executable, "benchmark/throughput.py", "--quick"], timeout=900).stdout
+    # A synchronous and the asynchronous script (all five take about 150 s of CI's 45 minutes): the others are
+    # timed by the same code.
+    output = run([sys.executable, "benchmark/throughput.py", "--quick", "--scripts", *SCRIPTS], timeout=900).stdout
     rows = {line.split()[0]: line.split()[1:] for line in output.splitlines() if line.split()[:1] in [[s] for s in SCRIPTS]}
     assert sorted(rows) == sorted(SCRIPTS), output
     for script, cells in rows.items():
