@@ -516,7 +516,8 @@ def vllm_generate(llm, prompts, k, response_length, stop_token_id, temperature, 
 
     requests = [TokensPrompt(prompt_token_ids=prompt) for _ in range(k) for prompt in prompts]
     sampling = [SamplingParams(temperature=temperature, top_k=0, top_p=1.0, max_tokens=response_length,
-                               ignore_eos=True, stop_token_ids=[stop_token_id], seed=seed + i, logprobs=0)
+                               ignore_eos=True, stop_token_ids=[stop_token_id], seed=seed + i, logprobs=0,
+                               detokenize=False)  # token ids are all we use: no text decoded in this process
                 for i in range(len(requests))]
     outputs = [output.outputs[0] for output in llm.generate(requests, sampling, use_tqdm=False)]
     return ([list(out.token_ids) for out in outputs],

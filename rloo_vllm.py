@@ -959,6 +959,23 @@ def start_vllm(args, model_path, weight_transfer=False):
                 os.environ[name] = value
 
 
+def pin_vllm_to_its_cores(args):
+    """On CPU, asynchronously: bind every thread of vLLM's processes (this process's children) to its
+    --vllm-cpu-cores. VLLM_CPU_OMP_THREADS_BIND binds only the worker's compute threads; the engine-core process,
+    which busy-waits (sched_yield) for the worker's result at every decoding step, would otherwise run on the
+    learner's cores and slow training by about 20 % (docs/performance.md). With --sync the learner is idle while
+    vLLM generates, so vLLM is left free to use its cores too."""
+    if torch.cuda.is_available() or args.sync:
+        return
+    import psutil
+
+    cores = sorted(os.sched_getaffinity(0))[-args.vllm_cpu_cores:]
+    for child in psutil.Process().children(recursive=True):
+        for thread in child.threads():
+            with contextlib.suppress(OSError):  # a thread that has ended since
+                os.sched_setaffinity(thread.id, cores)
+
+
 def vllm_generate(llm, prompts, k, response_length, stop_token_id, temperature, seed):
     """k responses to each prompt from vLLM, and the log-probability of each of their tokens under the weights
     that sampled it (the behaviour policy), at the sampling temperature; sample j of prompt i is at index
@@ -972,7 +989,8 @@ def vllm_generate(llm, prompts, k, response_length, stop_token_id, temperature, 
 
     requests = [TokensPrompt(prompt_token_ids=prompt) for _ in range(k) for prompt in prompts]
     sampling = [SamplingParams(temperature=temperature, top_k=0, top_p=1.0, max_tokens=response_length,
-                               ignore_eos=True, stop_token_ids=[stop_token_id], seed=seed + i, logprobs=0)
+                               ignore_eos=True, stop_token_ids=[stop_token_id], seed=seed + i, logprobs=0,
+                               detokenize=False)  # token ids are all we use: no text decoded in this process
                 for i in range(len(requests))]
     outputs = [output.outputs[0] for output in llm.generate(requests, sampling, use_tqdm=False)]
     return ([list(out.token_ids) for out in outputs],
@@ -1517,6 +1535,7 @@ if __name__ == "__main__":
     if rank == 0:
         tokenizer.save_pretrained(os.path.join(weights_dir, f"policy-{start_update}"))
         llm = start_vllm(args, os.path.join(weights_dir, f"policy-{start_update}"), args.weight_sync == "memory")
+        pin_vllm_to_its_cores(args)
         shutil.rmtree(os.path.join(weights_dir, f"policy-{start_update}"))
         generator = Generator(args, llm, weights_dir=weights_dir, train_prompts=train_prompts,
                               prompts_per_rank=prompts_per_rank, k=args.k, stop_id=stop_id, first_version=start_update,

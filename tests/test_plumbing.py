@@ -12,6 +12,7 @@ import math
 import os
 import re
 import socket
+import sys
 
 import deepspeed
 import pytest
@@ -220,6 +221,29 @@ def test_vllm_memory_share_on_a_gpu_shared_with_training(capsys):
         assert exit.value.code == 2
         (line,) = capsys.readouterr().err.splitlines()
         assert line.startswith("error: --vllm-gpu-memory-utilization: GPU 0, shared with training, has")
+
+
+def test_an_asynchronous_run_binds_every_thread_of_vllms_processes_to_vllms_cores():
+    """A child process with several threads stands for vLLM's engine processes, this test process for the learner."""
+    import subprocess
+    from types import SimpleNamespace
+
+    cores = sorted(os.sched_getaffinity(0))
+    child = subprocess.Popen([sys.executable, "-c", "import threading, time\n"
+                              "for _ in range(3): threading.Thread(target=time.sleep, args=(60,), daemon=True).start()\n"
+                              "print('ready', flush=True); time.sleep(60)"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline() == "ready\n"
+        threads = [int(tid) for tid in os.listdir(f"/proc/{child.pid}/task")]
+        assert len(threads) == 4
+        online_dpo_vllm.pin_vllm_to_its_cores(SimpleNamespace(sync=True, vllm_cpu_cores=1))  # --sync: left free
+        assert [os.sched_getaffinity(tid) for tid in threads] == [set(cores)] * 4
+        online_dpo_vllm.pin_vllm_to_its_cores(SimpleNamespace(sync=False, vllm_cpu_cores=1))
+        assert [os.sched_getaffinity(tid) for tid in threads] == [{cores[-1]}] * 4
+        assert os.sched_getaffinity(0) == set(cores)  # the learner itself keeps every core
+    finally:
+        child.kill()
+        child.wait()
 
 
 def test_handed_over_weights_fall_back_to_the_run_directory_when_memory_is_short(tmp_path, capsys):
