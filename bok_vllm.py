@@ -922,20 +922,22 @@ def start_vllm(args, model_path, weight_transfer=False):
 
 
 def pin_vllm_to_its_cores(args):
-    """On CPU, asynchronously: bind every thread of vLLM's processes (this process's children) to its
-    --vllm-cpu-cores. VLLM_CPU_OMP_THREADS_BIND binds only the worker's compute threads; the engine-core process,
-    which busy-waits (sched_yield) for the worker's result at every decoding step, would otherwise run on the
-    learner's cores and slow training by about 20 % (docs/performance.md). With --sync the learner is idle while
-    vLLM generates, so vLLM is left free to use its cores too."""
+    """On CPU, asynchronously: bind vLLM's work to its --vllm-cpu-cores; called by the generator thread.
+    VLLM_CPU_OMP_THREADS_BIND binds only the worker's compute threads. The engine-core process busy-waits
+    (sched_yield) for the worker at every decoding step, and in this process vLLM's output thread and the generator
+    decode and process every step's tokens: on the learner's cores they slow training by 15-20 %
+    (docs/results.md). So every thread of this process's children (vLLM's processes), that output thread and the
+    calling thread go to vLLM's cores. With --sync the learner is idle while vLLM generates: vLLM may use every core."""
     if torch.cuda.is_available() or args.sync:
         return
     import psutil
 
     cores = sorted(os.sched_getaffinity(0))[-args.vllm_cpu_cores:]
-    for child in psutil.Process().children(recursive=True):
-        for thread in child.threads():
-            with contextlib.suppress(OSError):  # a thread that has ended since
-                os.sched_setaffinity(thread.id, cores)
+    threads = [thread.id for child in psutil.Process().children(recursive=True) for thread in child.threads()]
+    threads += [t.native_id for t in threading.enumerate() if t.name == "EngineCoreOutputQueueThread"]
+    for thread in threads + [threading.get_native_id()]:
+        with contextlib.suppress(OSError):  # a thread that has ended since
+            os.sched_setaffinity(thread, cores)
 
 
 def vllm_generate(llm, prompts, k, response_length, stop_token_id, temperature, seed):
@@ -1428,6 +1430,7 @@ class Generator:
     def _run(self):
         args, world_size = self.args, self.args.world_size
         try:
+            pin_vllm_to_its_cores(args)
             loaded = self.first_version
             for update in range(self.first_update, args.num_updates + 1):
                 t0 = time.time()
@@ -1497,7 +1500,6 @@ if __name__ == "__main__":
     if rank == 0:
         tokenizer.save_pretrained(os.path.join(weights_dir, f"policy-{start_update}"))
         llm = start_vllm(args, os.path.join(weights_dir, f"policy-{start_update}"), args.weight_sync == "memory")
-        pin_vllm_to_its_cores(args)
         shutil.rmtree(os.path.join(weights_dir, f"policy-{start_update}"))
         generator = Generator(args, llm, weights_dir=weights_dir, train_prompts=train_prompts,
                               prompts_per_rank=prompts_per_rank, k=args.k, stop_id=stop_id, first_version=start_update,

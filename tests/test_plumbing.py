@@ -224,24 +224,39 @@ def test_vllm_memory_share_on_a_gpu_shared_with_training(capsys):
 
 
 def test_an_asynchronous_run_binds_every_thread_of_vllms_processes_to_vllms_cores():
-    """A child process with several threads stands for vLLM's engine processes, this test process for the learner."""
+    """A child process with several threads stands for vLLM's engine processes, a thread named as vLLM's for its
+    output thread in the learner's process, and a thread calling the helper for the generator."""
     import subprocess
+    import threading
     from types import SimpleNamespace
 
     cores = sorted(os.sched_getaffinity(0))
     child = subprocess.Popen([sys.executable, "-c", "import threading, time\n"
                               "for _ in range(3): threading.Thread(target=time.sleep, args=(60,), daemon=True).start()\n"
                               "print('ready', flush=True); time.sleep(60)"], stdout=subprocess.PIPE, text=True)
+    stop = threading.Event()
+    output_thread = threading.Thread(target=stop.wait, name="EngineCoreOutputQueueThread", daemon=True)
+    output_thread.start()
+
+    def as_generator(sync):
+        affinity = []
+        caller = threading.Thread(target=lambda: (online_dpo_vllm.pin_vllm_to_its_cores(
+            SimpleNamespace(sync=sync, vllm_cpu_cores=1)), affinity.append(os.sched_getaffinity(0))))
+        caller.start()
+        caller.join()
+        return affinity[0]
+
     try:
         assert child.stdout.readline() == "ready\n"
-        threads = [int(tid) for tid in os.listdir(f"/proc/{child.pid}/task")]
-        assert len(threads) == 4
-        online_dpo_vllm.pin_vllm_to_its_cores(SimpleNamespace(sync=True, vllm_cpu_cores=1))  # --sync: left free
-        assert [os.sched_getaffinity(tid) for tid in threads] == [set(cores)] * 4
-        online_dpo_vllm.pin_vllm_to_its_cores(SimpleNamespace(sync=False, vllm_cpu_cores=1))
-        assert [os.sched_getaffinity(tid) for tid in threads] == [{cores[-1]}] * 4
-        assert os.sched_getaffinity(0) == set(cores)  # the learner itself keeps every core
+        threads = [int(tid) for tid in os.listdir(f"/proc/{child.pid}/task")] + [output_thread.native_id]
+        assert len(threads) == 5
+        assert as_generator(sync=True) == set(cores)  # --sync: vLLM left free
+        assert [os.sched_getaffinity(tid) for tid in threads] == [set(cores)] * 5
+        assert as_generator(sync=False) == {cores[-1]}
+        assert [os.sched_getaffinity(tid) for tid in threads] == [{cores[-1]}] * 5
+        assert os.sched_getaffinity(0) == set(cores)  # the learner's own threads keep their cores
     finally:
+        stop.set()
         child.kill()
         child.wait()
 
