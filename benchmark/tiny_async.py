@@ -8,14 +8,15 @@ as the paper's code) and again with it (`--is-cap 2`, "+IS"). Each final policy 
 evaluate.py (gold win rate against the references, KL to the SFT model); results go to a CSV and a plot
 of win rate against K and against KL, beside benchmark/tiny_offpolicy.py's N-mini-batch experiment.
 
-    python benchmark/tiny_async.py                             # 6 variants x 5 K x 1 seed, about 40 min on 2 cores
-    python benchmark/tiny_async.py --seeds 2                   # the issue's 2 seeds: about 80 min
+    python benchmark/tiny_async.py                             # 6 variants x 5 K x 2 seeds
+    python benchmark/tiny_async.py --seeds 2 --add-to-csv      # one more seed, kept beside the CSV's others
     python benchmark/tiny_async.py --variants online_dpo rloo+IS --k 0 8
 
 Results go to benchmark/results/ (tiny_async.csv, tiny_async.png) unless --out says otherwise.
 """
 
 import argparse
+import concurrent.futures
 import csv
 import os
 import tempfile
@@ -34,43 +35,62 @@ VARIANTS = {
 }
 
 
+def read_rows(path):
+    """The rows of a CSV this benchmark wrote, with their types back (to add a seed to it)."""
+    with open(path) as f:
+        return [{key: value if key == "algorithm" else int(value) if key in ("k", "seed") else float(value)
+                 for key, value in row.items()} for row in csv.DictReader(f)]
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     parser.add_argument("--k", nargs="+", type=int, default=[0, 1, 2, 4, 8], help="off-policy steps (0: --sync)")
-    parser.add_argument("--seeds", type=int, default=1, help="seeds per setting (1, 2, ...)")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2], help="seeds of every setting")
+    parser.add_argument("--add-to-csv", action="store_true",
+                        help="keep the CSV's rows of other seeds (to add a seed to an earlier invocation's results)")
     parser.add_argument("--total-episodes", type=int, default=4096,
                         help="episodes per run: 64 optimizer steps of 64 responses, as tiny_offpolicy.py")
     parser.add_argument("--learning-rate", type=float, default=1e-4)
     parser.add_argument("--num-eval-prompts", type=int, default=512)
+    parser.add_argument("--jobs", type=int, default=2, help="runs at once (2 keeps both cores busy between runs' loops)")
     parser.add_argument("--out", default=os.path.join(ROOT, "benchmark", "results"))
     options = parser.parse_args()
     os.makedirs(options.out, exist_ok=True)
 
+    csv_path = os.path.join(options.out, "tiny_async.csv")
     rows, started = [], time.time()
-    with tempfile.TemporaryDirectory() as tmp:
-        for seed in range(1, options.seeds + 1):
-            for variant in options.variants:
-                script, arguments = VARIANTS[variant]
-                for k in options.k:
-                    if k == 0 and variant.endswith("+IS"):  # on-policy, the weights are 1: the run without IS
-                        continue
-                    mode = ["--sync"] if k == 0 else ["--off-policy-steps", str(k)]
-                    t0 = time.time()
-                    result = train_and_evaluate_command([script, *arguments, *mode, "--vllm-enforce-eager"], seed,
-                                                        options, os.path.join(tmp, f"{variant}_{k}_{seed}"))
-                    rows.append({"algorithm": variant, "k": k, "seed": seed, **result,
-                                 "seconds": round(time.time() - t0, 1)})
-                    print(f"{variant:>11} K={k:<2} seed {seed}: win rate {result['win_rate']:.3f}, gold "
-                          f"{result['gold_score']:.3f}, KL {result['kl']:.2f} ({rows[-1]['seconds']:.0f} s)", flush=True)
-    with open(os.path.join(options.out, "tiny_async.csv"), "w", newline="") as f:
+    if options.add_to_csv:
+        rows = [row for row in read_rows(csv_path) if row["seed"] not in options.seeds]
+    settings = [(seed, variant, k) for seed in options.seeds for variant in options.variants for k in options.k
+                if not (k == 0 and variant.endswith("+IS"))]  # K = 0 is on-policy, the weights are 1: the run without IS
+
+    def run(setting, tmp):
+        seed, variant, k = setting
+        script, arguments = VARIANTS[variant]
+        mode = ["--sync"] if k == 0 else ["--off-policy-steps", str(k)]
+        t0 = time.time()
+        result = train_and_evaluate_command([script, *arguments, *mode, "--vllm-enforce-eager"], seed, options,
+                                            os.path.join(tmp, f"{variant}_{k}_{seed}"))
+        return {"algorithm": variant, "k": k, "seed": seed, **result, "seconds": round(time.time() - t0, 1)}
+
+    # Runs can overlap (--jobs 2): one starts up or evaluates while another trains. Results do not change, since
+    # the schedule, not timing, decides which policy version generates each batch.
+    with tempfile.TemporaryDirectory() as tmp, concurrent.futures.ThreadPoolExecutor(options.jobs) as pool:
+        for row in pool.map(run, settings, [tmp] * len(settings)):
+            rows.append(row)
+            print(f"{row['algorithm']:>11} K={row['k']:<2} seed {row['seed']}: win rate {row['win_rate']:.3f}, gold "
+                  f"{row['gold_score']:.3f}, KL {row['kl']:.2f} ({row['seconds']:.0f} s)", flush=True)
+    rows.sort(key=lambda row: (row["seed"], list(VARIANTS).index(row["algorithm"]), row["k"]))
+    with open(csv_path, "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))
         writer.writeheader()
         writer.writerows(rows)
     plot(rows, os.path.join(options.out, "tiny_async.png"), knob="k",
          knob_label="K (policy versions between generation and training; 0 is --sync)")
 
-    print(f"\nmean gold win rate (KL) over {options.seeds} seed(s), {time.time() - started:.0f} s in all")
+    seeds = sorted({row["seed"] for row in rows})
+    print(f"\nmean gold win rate (KL) over seeds {seeds}, {time.time() - started:.0f} s in all")
     print(f"{'':>11}" + "".join(f"{'K=' + str(k):>16}" for k in options.k))
     for variant in options.variants:
         cells = []

@@ -1,7 +1,9 @@
 """The benchmarks keep working: throughput.py's quick mode (no TRL) runs every script on the benchmark's
 workload and prints a row of figures for each; weight_sync.py times both weight hand-offs on its smallest
-model. No timing is asserted: CI machines differ."""
+model; tiny_async.py reads back the CSV it writes (to add a seed). No timing is asserted: CI machines differ."""
 
+import csv
+import os
 import sys
 
 import pytest
@@ -35,3 +37,16 @@ def test_weight_sync_benchmark_times_both_hand_offs_and_vllm_gets_the_learners_w
     assert all(s > 0 for s in seconds) and seconds[2] == pytest.approx(seconds[0] + seconds[1], abs=2e-3), row
     file_gap, memory_gap = (float(cell.rstrip(",")) for cell in row[10:12])
     assert file_gap < 1e-4 and memory_gap < 1e-4, row  # float32: vLLM's log-probabilities are the learner's
+
+
+def test_tiny_async_reads_back_the_rows_it_writes_so_a_seed_can_be_added(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmark"))
+    import tiny_async
+
+    rows = [{"algorithm": "rloo+IS", "k": 8, "seed": 1, "win_rate": 0.73828125, "gold_score": 0.5, "kl": 2.5,
+             "perplexity": 8.25, "response_length": 3.75, "seconds": 61.5}]
+    with open(tmp_path / "tiny_async.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    assert tiny_async.read_rows(tmp_path / "tiny_async.csv") == rows
