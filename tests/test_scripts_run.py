@@ -96,11 +96,12 @@ LEARNING = [
     (["rloo_vllm.py"], 2.0, 0.4),
     (["ppo_vllm.py"], 2.0, 0.4),
     (["bok_vllm.py"], 2.0, 0.4),
+    (["online_dpo_vllm.py", "--sync"], 2.0, 0.4),
     (["rloo_vllm.py", "--sync"], 2.0, 0.4),
+    (["ppo_vllm.py", "--sync"], 2.0, 0.4),
     (["bok_vllm.py", "--sync"], 2.0, 0.4),
 ]
-# (--sync runs the same generator with K = 0, shared by the four *_vllm.py; the --sync runs of online_dpo_vllm.py
-# and ppo_vllm.py were measured to learn as much, 85-100 s each, and are left out to keep CI under 45 minutes. The
+# (--sync runs the same generator with K = 0, shared by the four *_vllm.py, and each script learns both ways. The
 # first batch of every asynchronous run is on-policy: its correction weights must be 1 (PPO's per token, the
 # strictest); the full-disk test runs rloo_vllm.py --sync too.)
 
