@@ -8,7 +8,7 @@ as the paper's code) and again with it (`--is-cap 2`, "+IS"). Each final policy 
 evaluate.py (gold win rate against the references, KL to the SFT model); results go to a CSV and a plot
 of win rate against K and against KL, beside benchmark/tiny_offpolicy.py's N-mini-batch experiment.
 
-    python benchmark/tiny_async.py                             # 6 variants x 5 K x 2 seeds
+    python benchmark/tiny_async.py                             # 6 variants x 5 K x 2 seeds, 2 runs at a time: 44 min
     python benchmark/tiny_async.py --seeds 2 --add-to-csv      # one more seed, kept beside the CSV's others
     python benchmark/tiny_async.py --variants online_dpo rloo+IS --k 0 8
 
