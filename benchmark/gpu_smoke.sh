@@ -5,7 +5,8 @@
 #   pip install -r requirements.txt && bash benchmark/gpu_smoke.sh      # needs 1 GPU; 2 and 3 GPUs add checks
 #
 # 1 GPU:  each script alone (rloo, online_dpo, bok, ppo: HF generation; the *_vllm.py scripts: vLLM colocated
-#         on the training GPU with the memory share it chose), finite metrics, off-policy steps 0,1,1,1; evaluate.py
+#         on the training GPU with the memory share it chose), finite metrics, off-policy steps 0,1,1,1; rloo and
+#         ppo resumed from checkpoint 2 with the same metrics bit for bit (CUDA's random state); evaluate.py
 #         with vLLM; the in-memory hand-off over CUDA IPC, and a run through files with the same scores. This is
 #         where NCCL meets CPU tensors (gloo beside it), bf16, and vLLM's memory check. Prints
 #         the off-policy correction's bf16 mismatch KL between vLLM and the learner (measured nowhere else).
@@ -52,12 +53,29 @@ vllm_gpus() {  # the GPU indices of vLLM's processes (VLLM::...) seen by nvidia-
   wait "$pid"
 }
 run1() { python "$@" --bf16 --total-episodes 256 --eval-every 2 --num-eval-prompts 64; }
+resumes_exactly() {  # resumes_exactly <script> <dir>: a copy of a finished run resumed from its checkpoint-2 logs the same metrics
+  CUDA_VISIBLE_DEVICES=0 run1 "$1" --save-every 2 --output-dir "$2" || return 1
+  local run; run=$(ls -d "$2"/*__*); cp -r "$run" "$2/resumed" || return 1
+  CUDA_VISIBLE_DEVICES=0 run1 "$1" --save-every 2 --output-dir "$2" --resume "$2/resumed/checkpoint-2" || return 1
+  python - "$run/metrics.jsonl" "$2/resumed/metrics.jsonl" <<'EOF'
+import json, sys
+whole, resumed = ([{k: v for k, v in json.loads(line).items() if not k.startswith("time/")} for line in open(p)]
+                  for p in sys.argv[1:])
+assert [r["update"] for r in resumed] == [r["update"] for r in whole], [r["update"] for r in resumed]
+diff = [(a["update"], k, a[k], b.get(k)) for a, b in zip(whole, resumed) for k in a if a[k] != b.get(k)]
+assert not diff, diff[:5]
+print("every metric of updates 3-4 equal, bit for bit")
+EOF
+}
 
 echo "$gpus GPU(s); logs in $out"
 # 1 GPU
 for script in rloo online_dpo bok ppo; do
   check "1gpu_$script" bash -c "$(declare -f run1); CUDA_VISIBLE_DEVICES=0 run1 $script.py --output-dir $out/1gpu_$script"
   check "1gpu_${script}_metrics" metrics_ok "$out/1gpu_$script" 4
+done
+for script in rloo ppo; do  # the CUDA random state is in the checkpoint: resuming repeats the run exactly
+  check "1gpu_${script}_resume" resumes_exactly "$script.py" "$out/1gpu_${script}_resume"
 done
 check 1gpu_evaluate_hf bash -c "CUDA_VISIBLE_DEVICES=0 python evaluate.py --checkpoints $(ls -d $out/1gpu_rloo/*__*) --num-eval-prompts 256 --backend hf --output $out/evaluation_hf.json"
 if python -c "import vllm" 2>/dev/null; then
