@@ -2,7 +2,9 @@
 # GPU smoke test: what no CPU test can show. Runs every script for a few updates of the offline tiny task
 # in bf16 on the GPUs of this machine and prints PASS or FAIL per check, then a count. Not part of CI.
 #
-#   pip install -r requirements.txt && bash benchmark/gpu_smoke.sh      # needs 1 GPU; 2 and 3 GPUs add checks
+#   pip install -r requirements.txt && bash benchmark/gpu_smoke.sh [DIR]   # needs 1 GPU; 2 and 3 GPUs add checks
+#
+# DIR (default: a new temporary directory) receives a log per check and the runs' directories, checkpoints included.
 #
 # 1 GPU:  each script alone (rloo, online_dpo, bok, ppo: HF generation; the *_vllm.py scripts: vLLM colocated
 #         on the training GPU with the memory share it chose), finite metrics, off-policy steps 0,1,1,1; rloo and
@@ -15,7 +17,7 @@
 #         runs), K = 2 off-policy steps, weights gathered and handed over every update by NCCL.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-out=${OUT:-$(mktemp -d)}/gpu_smoke
+out=${1:-$(mktemp -d)}
 mkdir -p "$out"
 gpus=$(nvidia-smi --query-gpu=index --format=csv,noheader | wc -l)
 passed=0 failed=0
