@@ -13,6 +13,8 @@ seeds (one seed's accuracy on the 288 test problems moves by about 0.025 between
 
     python benchmark/async_speedup.py                      # 4 scripts x 200 updates x 2 modes, about 16 minutes on 2 CPU cores
     python benchmark/async_speedup.py --task math --scripts rloo_vllm online_dpo_vllm --seeds 1 2 3   # about 20 minutes
+    python benchmark/async_speedup.py --task math --scripts rloo_vllm online_dpo_vllm --seeds 1 2 3 \
+        --total-episodes 25600 --async-total-episodes 32000 --learning-rate 1e-4   # to the plateau, 31 minutes
     python benchmark/async_speedup.py --scripts online_dpo_vllm --total-episodes 64000 --off-policy-steps 2
 
 Any other argument is passed to every run (for example --learning-rate 1e-4).
