@@ -32,7 +32,9 @@ import json
 import math
 import os
 import re
+import shutil
 import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass
 from types import SimpleNamespace
@@ -341,7 +343,13 @@ def check_model(args, argument, reward=False):
 
 
 def load_tokenizer(path, trust_remote_code):
-    """A tokenizer with a pad token distinct from EOS (added when missing, as for Pythia)."""
+    """A tokenizer whose pad token is used for nothing else: padding is found by comparing token ids with it.
+
+    Where the tokenizer has none (Pythia) or pads with EOS (SmolLM2, Qwen2.5, Llama 3: then every EOS, also the
+    `<|im_end|>` inside a chat template, would be masked as padding), `[PAD]` is added here, to this tokenizer only.
+    Its id may lie past the model's vocabulary: no model ever reads it (forward() and generate() give padded
+    positions token 0 under a zero attention mask), the embeddings are not resized, so the learner's softmax is
+    vLLM's and checkpoints keep the model's vocabulary and its own tokenizer (save_checkpoint)."""
     tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     if tokenizer.pad_token_id is None or tokenizer.pad_token_id == tokenizer.eos_token_id:
         tokenizer.add_special_tokens({"pad_token": "[PAD]"})
@@ -383,13 +391,13 @@ def generate(model, queries, pad_token_id, stop_token_id, response_length, tempe
     The decoding loop of HF `generate` (same tokens for the same seed) with a preallocated KV cache and
     without its per-step machinery (logits processors, stopping criteria), which costs more than the
     arithmetic of a small model. After its stop token a response gets padding; the loop ends when all
-    responses have one."""
+    responses have one. The model reads token 0 where there is padding (see load_tokenizer)."""
     attention_mask = queries != pad_token_id
     position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
     cache = StaticCache(config=model.config, max_cache_len=queries.shape[1] + response_length)
     cache_position = torch.arange(queries.shape[1], device=queries.device)
     finished = torch.zeros(len(queries), dtype=torch.bool, device=queries.device)
-    inputs, tokens = queries, []
+    inputs, tokens = queries.masked_fill(~attention_mask, 0), []
     for _ in range(response_length):
         logits = model(input_ids=inputs, attention_mask=attention_mask, position_ids=position_ids,
                        past_key_values=cache, cache_position=cache_position, use_cache=True,
@@ -403,7 +411,7 @@ def generate(model, queries, pad_token_id, stop_token_id, response_length, tempe
         finished |= token == stop_token_id
         if finished.all():
             break
-        inputs = token.unsqueeze(1)
+        inputs = token.masked_fill(finished, 0).unsqueeze(1)  # a finished response's next input: never attended to
         attention_mask = torch.cat([attention_mask, torch.ones_like(inputs, dtype=torch.bool)], 1)
         position_ids = position_ids[:, -1:] + 1
         cache_position = cache_position[-1:] + 1
@@ -524,6 +532,32 @@ def vllm_generate(llm, prompts, k, response_length, stop_token_id, temperature, 
             [[step[token].logprob for token, step in zip(out.token_ids, out.logprobs)] for out in outputs])
 
 
+def tied_output_names(module):
+    """The names under which a model whose output layer is its input embedding (`tie_word_embeddings`: SmolLM2,
+    Qwen2.5 up to 3B, Llama 3.2, Gemma) holds that weight a second time, such as ["lm_head.weight"]; else []."""
+    embedding = module.get_input_embeddings().weight
+    names = [name for name, p in module.named_parameters(remove_duplicate=False) if p is embedding]
+    return names[1:]
+
+
+def write_for_vllm(module, state_dict, path):
+    """save_pretrained for vLLM: a tied output layer is written as a weight of its own, under a config that unties
+    it. vLLM 0.32 ties such a layer to its embedding when it first loads, and its reloads (both hand-offs) skip it
+    (`lm_head.*`): vLLM would go on sampling with the first weights' output layer. Untied, vLLM's copy costs one
+    more embedding matrix of memory and of every hand-off; the learner's model stays tied."""
+    tied = tied_output_names(module)
+    if tied:
+        embedding = state_dict[next(n for n, p in module.named_parameters() if p is module.get_input_embeddings().weight)]
+        state_dict = {**state_dict, **{name: embedding.clone() for name in tied}}
+    config = module.config.get_text_config()
+    saved = config.tie_word_embeddings
+    config.tie_word_embeddings = saved and not tied
+    try:
+        module.save_pretrained(path, state_dict=state_dict)
+    finally:
+        config.tie_word_embeddings = saved
+
+
 def load_into_vllm(llm, weights_path):
     """Replace the engine's weights by those of a save_pretrained directory (vLLM's in-place reload,
     run in the engine's worker process). The prefix cache is emptied: its keys are token ids, not
@@ -541,16 +575,20 @@ def truncate_response(responses, stop_token_id, pad_token_id):
 
 
 def forward(model, query_responses, pad_token_id):
-    """Run a model on left-padded queries followed by right-padded responses."""
+    """Run a model on left-padded queries followed by right-padded responses; padded positions are masked and read
+    token 0 (the pad id may lie outside the model's vocabulary, see load_tokenizer)."""
     attention_mask = query_responses != pad_token_id
     position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
-    return model(input_ids=query_responses, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
+    return model(input_ids=query_responses.masked_fill(~attention_mask, 0), attention_mask=attention_mask,
+                 position_ids=position_ids, use_cache=False)
 
 
 def response_logprobs(logits, responses, context_length, temperature):
-    """Log-probabilities of the response tokens under logits divided by the sampling temperature."""
+    """Log-probabilities of the response tokens under logits divided by the sampling temperature. Padding gets a
+    number that callers mask: its id may lie past the vocabulary (load_tokenizer), so it reads the last row."""
     logits = logits[:, context_length - 1: -1].float() / temperature
-    return torch.log_softmax(logits, dim=-1).gather(-1, responses.unsqueeze(-1)).squeeze(-1)
+    tokens = responses.clamp(max=logits.shape[-1] - 1)
+    return torch.log_softmax(logits, dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
 
 
 def last_number_reward(response, answer):
@@ -567,14 +605,19 @@ RULE_REWARDS = {"last_number": last_number_reward}  # the rules --rule-reward na
 
 @torch.no_grad()
 def reward_scores(model, query_responses, pad_token_id):
-    """One score per sequence, read at its last non-pad token."""
-    return forward(model, query_responses, pad_token_id).logits[:, 0].float()
+    """One score per sequence: the classifier's head (`score`) on the hidden state of its last non-pad token, found
+    here rather than by the model, which would look for its config's pad id (EOS, for many tokenizers)."""
+    module = getattr(model, "module", model)  # a DeepSpeed engine's model
+    hidden = forward(getattr(module, module.base_model_prefix), query_responses, pad_token_id).last_hidden_state
+    positions = torch.arange(query_responses.shape[1], device=query_responses.device)
+    last = ((query_responses != pad_token_id) * positions).argmax(1)
+    return module.score(hidden[torch.arange(len(hidden), device=hidden.device), last]).squeeze(-1).float()
 
 
-def load_model(args, path, tokenizer, reward=False):
+def load_model(args, path, reward=False):
     """A causal LM or, with `reward`, a one-label sequence classifier (None without a path). Dropout is off (it
-    would make the log-probabilities of the same tokens disagree) and the embeddings have room for the pad
-    token, which the tokenizer may have added."""
+    would make the log-probabilities of the same tokens disagree). The vocabulary stays the model's own: the pad
+    token that load_tokenizer may add is never read by a model."""
     if path is None:
         return None
     load = dict(dtype=torch.bfloat16 if args.bf16 else torch.float32, trust_remote_code=args.trust_remote_code)
@@ -583,9 +626,6 @@ def load_model(args, path, tokenizer, reward=False):
     else:
         model = AutoModelForCausalLM.from_pretrained(path, **load)
     disable_dropout(model)
-    model.config.pad_token_id = tokenizer.pad_token_id
-    if len(tokenizer) > model.get_input_embeddings().num_embeddings:
-        model.resize_token_embeddings(len(tokenizer))
     return model
 
 
@@ -611,8 +651,8 @@ if __name__ == "__main__":
     output = args.output or os.path.join(args.checkpoints if os.path.isdir(args.checkpoints) else ".",
                                          "evaluation.json")
 
-    gold = load_model(args, args.gold_reward_model_path, gold_tokenizer or tokenizer, reward=True)
-    models = {"sft": load_model(args, args.sft_model_path, tokenizer).to(device), "gold": gold and gold.to(device)}
+    gold = load_model(args, args.gold_reward_model_path, reward=True)
+    models = {"sft": load_model(args, args.sft_model_path).to(device), "gold": gold and gold.to(device)}
     pad = tokenizer.pad_token_id
     tokenizers = (tokenizer, gold_tokenizer)
     reference = references if args.rule_reward else score(args, models, prompts, right_pad(references, pad, device),
@@ -623,7 +663,7 @@ if __name__ == "__main__":
 
         wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, config=asdict(args),
                    name=f"evaluate__{os.path.basename(os.path.abspath(args.checkpoints))}__{int(time.time())}")
-    llm = None
+    llm, vllm_dir = None, tempfile.TemporaryDirectory(prefix="evaluate-")
     results = {}
     if args.rule_reward:
         print(f"{len(prompts)} prompts, {args.backend} generation; accuracy by the rule {args.rule_reward}", flush=True)
@@ -635,12 +675,18 @@ if __name__ == "__main__":
     print(f"{'checkpoint':<40}{'update':>8}" + "".join(f"{column:>16}" for column in columns))
     try:
         for checkpoint in checkpoints:
-            policy = load_model(args, checkpoint, tokenizer).to(device)
+            policy = load_model(args, checkpoint).to(device)
             if args.backend == "vllm":
+                path = checkpoint
+                if tied_output_names(policy):  # vLLM's copy of a tied model is untied (see write_for_vllm)
+                    path = os.path.join(vllm_dir.name, "policy")
+                    shutil.rmtree(path, ignore_errors=True)
+                    write_for_vllm(policy, policy.state_dict(), path)
+                    AutoTokenizer.from_pretrained(checkpoint, trust_remote_code=args.trust_remote_code).save_pretrained(path)
                 if llm is None:
-                    llm = start_vllm(args, checkpoint)
+                    llm = start_vllm(args, path)
                 else:
-                    load_into_vllm(llm, checkpoint)
+                    load_into_vllm(llm, path)
             metrics, samples = evaluate_checkpoint(args, {**models, "policy": policy}, llm, prompts, reference,
                                                    tokenizers, stop_id, device)
             update = update_of(checkpoint)
@@ -654,6 +700,7 @@ if __name__ == "__main__":
     finally:
         if llm is not None:
             llm.llm_engine.engine_core.shutdown(timeout=30)
+        vllm_dir.cleanup()
     with open(output, "w") as f:
         json.dump({"args": asdict(args), "checkpoints": results,
                    **({} if args.rule_reward else {"reference_gold_score": reference.mean().item()})}, f, indent=1)

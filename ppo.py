@@ -412,7 +412,13 @@ def load_prompts(args, tokenizer):
 
 
 def load_tokenizer(path, trust_remote_code):
-    """A tokenizer with a pad token distinct from EOS (added when missing, as for Pythia)."""
+    """A tokenizer whose pad token is used for nothing else: padding is found by comparing token ids with it.
+
+    Where the tokenizer has none (Pythia) or pads with EOS (SmolLM2, Qwen2.5, Llama 3: then every EOS, also the
+    `<|im_end|>` inside a chat template, would be masked as padding), `[PAD]` is added here, to this tokenizer only.
+    Its id may lie past the model's vocabulary: no model ever reads it (forward() and generate() give padded
+    positions token 0 under a zero attention mask), the embeddings are not resized, so the learner's softmax is
+    vLLM's and checkpoints keep the model's vocabulary and its own tokenizer (save_checkpoint)."""
     tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     if tokenizer.pad_token_id is None or tokenizer.pad_token_id == tokenizer.eos_token_id:
         tokenizer.add_special_tokens({"pad_token": "[PAD]"})
@@ -455,13 +461,13 @@ def generate(model, queries, pad_token_id, stop_token_id, response_length, tempe
     The decoding loop of HF `generate` (same tokens for the same seed) with a preallocated KV cache and
     without its per-step machinery (logits processors, stopping criteria), which costs more than the
     arithmetic of a small model. After its stop token a response gets padding; the loop ends when all
-    responses have one."""
+    responses have one. The model reads token 0 where there is padding (see load_tokenizer)."""
     attention_mask = queries != pad_token_id
     position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
     cache = StaticCache(config=model.config, max_cache_len=queries.shape[1] + response_length)
     cache_position = torch.arange(queries.shape[1], device=queries.device)
     finished = torch.zeros(len(queries), dtype=torch.bool, device=queries.device)
-    inputs, tokens = queries, []
+    inputs, tokens = queries.masked_fill(~attention_mask, 0), []
     for _ in range(response_length):
         logits = model(input_ids=inputs, attention_mask=attention_mask, position_ids=position_ids,
                        past_key_values=cache, cache_position=cache_position, use_cache=True,
@@ -475,7 +481,7 @@ def generate(model, queries, pad_token_id, stop_token_id, response_length, tempe
         finished |= token == stop_token_id
         if finished.all():
             break
-        inputs = token.unsqueeze(1)
+        inputs = token.masked_fill(finished, 0).unsqueeze(1)  # a finished response's next input: never attended to
         attention_mask = torch.cat([attention_mask, torch.ones_like(inputs, dtype=torch.bool)], 1)
         position_ids = position_ids[:, -1:] + 1
         cache_position = cache_position[-1:] + 1
@@ -491,16 +497,20 @@ def truncate_response(responses, stop_token_id, pad_token_id):
 
 
 def forward(model, query_responses, pad_token_id):
-    """Run a model on left-padded queries followed by right-padded responses."""
+    """Run a model on left-padded queries followed by right-padded responses; padded positions are masked and read
+    token 0 (the pad id may lie outside the model's vocabulary, see load_tokenizer)."""
     attention_mask = query_responses != pad_token_id
     position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
-    return model(input_ids=query_responses, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
+    return model(input_ids=query_responses.masked_fill(~attention_mask, 0), attention_mask=attention_mask,
+                 position_ids=position_ids, use_cache=False)
 
 
 def response_logprobs(logits, responses, context_length, temperature):
-    """Log-probabilities of the response tokens under logits divided by the sampling temperature."""
+    """Log-probabilities of the response tokens under logits divided by the sampling temperature. Padding gets a
+    number that callers mask: its id may lie past the vocabulary (load_tokenizer), so it reads the last row."""
     logits = logits[:, context_length - 1: -1].float() / temperature
-    return torch.log_softmax(logits, dim=-1).gather(-1, responses.unsqueeze(-1)).squeeze(-1)
+    tokens = responses.clamp(max=logits.shape[-1] - 1)
+    return torch.log_softmax(logits, dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
 
 
 def entropy_from_logits(logits):
@@ -510,8 +520,13 @@ def entropy_from_logits(logits):
 
 @torch.no_grad()
 def reward_scores(model, query_responses, pad_token_id):
-    """One score per sequence, read at its last non-pad token."""
-    return forward(model, query_responses, pad_token_id).logits[:, 0].float()
+    """One score per sequence: the classifier's head (`score`) on the hidden state of its last non-pad token, found
+    here rather than by the model, which would look for its config's pad id (EOS, for many tokenizers)."""
+    module = getattr(model, "module", model)  # a DeepSpeed engine's model
+    hidden = forward(getattr(module, module.base_model_prefix), query_responses, pad_token_id).last_hidden_state
+    positions = torch.arange(query_responses.shape[1], device=query_responses.device)
+    last = ((query_responses != pad_token_id) * positions).argmax(1)
+    return module.score(hidden[torch.arange(len(hidden), device=hidden.device), last]).squeeze(-1).float()
 
 
 def last_number_reward(response, answer):
@@ -611,9 +626,10 @@ class SafeCheckpointEngine(TorchCheckpointEngine):
             return torch.load(path, map_location=map_location, weights_only=True)
 
 
-def save_checkpoint(args, run_dir, update, episode, engines, tokenizer, extra_files=None):
+def save_checkpoint(args, run_dir, update, episode, engines, extra_files=None):
     """Write <run_dir>/checkpoint-<update>: every trained model as save_pretrained (the policy at the
-    top, any other, such as PPO's value model, in a subdirectory of its name) plus the full
+    top with the SFT model's own tokenizer, without the pad token load_tokenizer may add; any other model, such
+    as PPO's value model, in a subdirectory of its name) plus the full
     training state in training_state/ (DeepSpeed's model, optimizer and scheduler state of each
     engine, and every rank's RNG state), and rank 0's `extra_files` ({name: JSON-serialisable}).
 
@@ -635,7 +651,7 @@ def save_checkpoint(args, run_dir, update, episode, engines, tokenizer, extra_fi
         torch.save({"torch": torch.get_rng_state(), "accelerator": get_accelerator().get_rng_state()},
                    os.path.join(tmp, "training_state", f"rng_rank{dist.get_rank()}.pt"))
         if dist.get_rank() == 0:
-            tokenizer.save_pretrained(tmp)
+            AutoTokenizer.from_pretrained(args.sft_model_path, trust_remote_code=args.trust_remote_code).save_pretrained(tmp)
             with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
                 json.dump({"script": os.path.basename(__file__), "update": update, "episode": episode, "args": asdict(args)},
                           f, indent=1)
@@ -767,10 +783,10 @@ def run_directory(args):
     return name[0], run_dir or os.path.join(os.path.abspath(args.output_dir), name[0])
 
 
-def load_model(args, path, tokenizer, reward=False):
+def load_model(args, path, reward=False):
     """A causal LM or, with `reward`, a one-label sequence classifier (None without a path). Dropout is off (it
-    would make the log-probabilities of the same tokens disagree) and the embeddings have room for the pad
-    token, which the tokenizer may have added."""
+    would make the log-probabilities of the same tokens disagree). The vocabulary stays the model's own: the pad
+    token that load_tokenizer may add is never read by a model."""
     if path is None:
         return None
     load = dict(dtype=torch.bfloat16 if args.bf16 else torch.float32, trust_remote_code=args.trust_remote_code)
@@ -779,9 +795,6 @@ def load_model(args, path, tokenizer, reward=False):
     else:
         model = AutoModelForCausalLM.from_pretrained(path, **load)
     disable_dropout(model)
-    model.config.pad_token_id = tokenizer.pad_token_id
-    if len(tokenizer) > model.get_input_embeddings().num_embeddings:
-        model.resize_token_embeddings(len(tokenizer))
     return model
 
 
@@ -861,16 +874,15 @@ if __name__ == "__main__":
 
     # Models and DeepSpeed engines: the policy and the value model train (two engines, each with its own AdamW and
     # schedule; the value model starts from the reward model); the reference and reward models only run forward.
-    policy = training_engine(args, load_model(args, args.sft_model_path, tokenizer))
+    policy = training_engine(args, load_model(args, args.sft_model_path))
     # The value model starts from the reward model or, with --rule-reward, from the SFT policy with a fresh score
     # head, drawn from --seed on every rank (ZeRO-3 partitions each rank's own copy).
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(args.seed)
-        value_model = training_engine(args, load_model(args, args.reward_model_path or args.sft_model_path,
-                                                       tokenizer, reward=True))
-    ref_policy = frozen_engine(args, load_model(args, args.sft_model_path, tokenizer))
-    reward_model = frozen_engine(args, load_model(args, args.reward_model_path, tokenizer, reward=True))
-    gold_model = frozen_engine(args, load_model(args, args.gold_reward_model_path, tokenizer, reward=True))
+        value_model = training_engine(args, load_model(args, args.reward_model_path or args.sft_model_path, reward=True))
+    ref_policy = frozen_engine(args, load_model(args, args.sft_model_path))
+    reward_model = frozen_engine(args, load_model(args, args.reward_model_path, reward=True))
+    gold_model = frozen_engine(args, load_model(args, args.gold_reward_model_path, reward=True))
 
     start_update, episode = 0, 0
     if args.resume:
@@ -1005,7 +1017,7 @@ if __name__ == "__main__":
         progress.set_postfix(score=f"{metrics['objective/scores']:.3f}", kl=f"{metrics['objective/kl']:.2f}",
                              eps=f"{metrics['time/episodes_per_second']:.0f}")
         if (args.save_every and update % args.save_every == 0) or update == args.num_updates:
-            save_checkpoint(args, run_dir, update, episode, {"policy": policy, "value_model": value_model}, tokenizer)
+            save_checkpoint(args, run_dir, update, episode, {"policy": policy, "value_model": value_model})
 
     progress.close()
     run_log.close()

@@ -25,6 +25,7 @@ import collections
 import concurrent.futures
 import contextlib
 import functools
+import hashlib
 import json
 import math
 import os
@@ -142,6 +143,8 @@ class Args:
     """seconds the learner waits for a batch (and the generator for weights) before stopping with an error"""
     weight_sync: str = "memory"
     """how each new policy reaches vLLM: `memory` (vLLM's weight transfer: NCCL to a GPU of its own, CUDA IPC on one it shares, gloo on CPU) or `file` (a save_pretrained directory, in /dev/shm if it has room, that vLLM reloads)"""
+    check_weights_every: int = 10
+    """check that vLLM holds the learner's weights (log-probabilities of a probe, digests of parameters) when it starts, after the first hand-off and every this many updates; stop with one line if not (0: never)"""
     is_cap: float = 2.0
     """off-policy correction: weight the loss by pi_prox / pi_behaviour truncated at this value (per response in RLOO, per token in PPO); 0 turns it off"""
 
@@ -191,6 +194,8 @@ def validate(args):
         fail("off_policy_steps", f"must be at least 1 (use --sync for on-policy), got {args.off_policy_steps}")
     if args.is_cap < 0:
         fail("is_cap", f"must be 0 (no correction) or positive, got {args.is_cap}")
+    if args.check_weights_every < 0:
+        fail("check_weights_every", f"must be 0 (never) or more, got {args.check_weights_every}")
     if args.generation_timeout <= 0:
         fail("generation_timeout", f"must be positive, got {args.generation_timeout}")
     if args.weight_sync not in ("memory", "file"):
@@ -479,7 +484,13 @@ def load_prompts(args, tokenizer):
 
 
 def load_tokenizer(path, trust_remote_code):
-    """A tokenizer with a pad token distinct from EOS (added when missing, as for Pythia)."""
+    """A tokenizer whose pad token is used for nothing else: padding is found by comparing token ids with it.
+
+    Where the tokenizer has none (Pythia) or pads with EOS (SmolLM2, Qwen2.5, Llama 3: then every EOS, also the
+    `<|im_end|>` inside a chat template, would be masked as padding), `[PAD]` is added here, to this tokenizer only.
+    Its id may lie past the model's vocabulary: no model ever reads it (forward() and generate() give padded
+    positions token 0 under a zero attention mask), the embeddings are not resized, so the learner's softmax is
+    vLLM's and checkpoints keep the model's vocabulary and its own tokenizer (save_checkpoint)."""
     tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     if tokenizer.pad_token_id is None or tokenizer.pad_token_id == tokenizer.eos_token_id:
         tokenizer.add_special_tokens({"pad_token": "[PAD]"})
@@ -522,13 +533,13 @@ def generate(model, queries, pad_token_id, stop_token_id, response_length, tempe
     The decoding loop of HF `generate` (same tokens for the same seed) with a preallocated KV cache and
     without its per-step machinery (logits processors, stopping criteria), which costs more than the
     arithmetic of a small model. After its stop token a response gets padding; the loop ends when all
-    responses have one."""
+    responses have one. The model reads token 0 where there is padding (see load_tokenizer)."""
     attention_mask = queries != pad_token_id
     position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
     cache = StaticCache(config=model.config, max_cache_len=queries.shape[1] + response_length)
     cache_position = torch.arange(queries.shape[1], device=queries.device)
     finished = torch.zeros(len(queries), dtype=torch.bool, device=queries.device)
-    inputs, tokens = queries, []
+    inputs, tokens = queries.masked_fill(~attention_mask, 0), []
     for _ in range(response_length):
         logits = model(input_ids=inputs, attention_mask=attention_mask, position_ids=position_ids,
                        past_key_values=cache, cache_position=cache_position, use_cache=True,
@@ -542,7 +553,7 @@ def generate(model, queries, pad_token_id, stop_token_id, response_length, tempe
         finished |= token == stop_token_id
         if finished.all():
             break
-        inputs = token.unsqueeze(1)
+        inputs = token.masked_fill(finished, 0).unsqueeze(1)  # a finished response's next input: never attended to
         attention_mask = torch.cat([attention_mask, torch.ones_like(inputs, dtype=torch.bool)], 1)
         position_ids = position_ids[:, -1:] + 1
         cache_position = cache_position[-1:] + 1
@@ -558,16 +569,20 @@ def truncate_response(responses, stop_token_id, pad_token_id):
 
 
 def forward(model, query_responses, pad_token_id):
-    """Run a model on left-padded queries followed by right-padded responses."""
+    """Run a model on left-padded queries followed by right-padded responses; padded positions are masked and read
+    token 0 (the pad id may lie outside the model's vocabulary, see load_tokenizer)."""
     attention_mask = query_responses != pad_token_id
     position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
-    return model(input_ids=query_responses, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
+    return model(input_ids=query_responses.masked_fill(~attention_mask, 0), attention_mask=attention_mask,
+                 position_ids=position_ids, use_cache=False)
 
 
 def response_logprobs(logits, responses, context_length, temperature):
-    """Log-probabilities of the response tokens under logits divided by the sampling temperature."""
+    """Log-probabilities of the response tokens under logits divided by the sampling temperature. Padding gets a
+    number that callers mask: its id may lie past the vocabulary (load_tokenizer), so it reads the last row."""
     logits = logits[:, context_length - 1: -1].float() / temperature
-    return torch.log_softmax(logits, dim=-1).gather(-1, responses.unsqueeze(-1)).squeeze(-1)
+    tokens = responses.clamp(max=logits.shape[-1] - 1)
+    return torch.log_softmax(logits, dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
 
 
 def entropy_from_logits(logits):
@@ -577,8 +592,13 @@ def entropy_from_logits(logits):
 
 @torch.no_grad()
 def reward_scores(model, query_responses, pad_token_id):
-    """One score per sequence, read at its last non-pad token."""
-    return forward(model, query_responses, pad_token_id).logits[:, 0].float()
+    """One score per sequence: the classifier's head (`score`) on the hidden state of its last non-pad token, found
+    here rather than by the model, which would look for its config's pad id (EOS, for many tokenizers)."""
+    module = getattr(model, "module", model)  # a DeepSpeed engine's model
+    hidden = forward(getattr(module, module.base_model_prefix), query_responses, pad_token_id).last_hidden_state
+    positions = torch.arange(query_responses.shape[1], device=query_responses.device)
+    last = ((query_responses != pad_token_id) * positions).argmax(1)
+    return module.score(hidden[torch.arange(len(hidden), device=hidden.device), last]).squeeze(-1).float()
 
 
 def last_number_reward(response, answer):
@@ -678,9 +698,10 @@ class SafeCheckpointEngine(TorchCheckpointEngine):
             return torch.load(path, map_location=map_location, weights_only=True)
 
 
-def save_checkpoint(args, run_dir, update, episode, engines, tokenizer, extra_files=None):
+def save_checkpoint(args, run_dir, update, episode, engines, extra_files=None):
     """Write <run_dir>/checkpoint-<update>: every trained model as save_pretrained (the policy at the
-    top, any other, such as PPO's value model, in a subdirectory of its name) plus the full
+    top with the SFT model's own tokenizer, without the pad token load_tokenizer may add; any other model, such
+    as PPO's value model, in a subdirectory of its name) plus the full
     training state in training_state/ (DeepSpeed's model, optimizer and scheduler state of each
     engine, and every rank's RNG state), and rank 0's `extra_files` ({name: JSON-serialisable}).
 
@@ -702,7 +723,7 @@ def save_checkpoint(args, run_dir, update, episode, engines, tokenizer, extra_fi
         torch.save({"torch": torch.get_rng_state(), "accelerator": get_accelerator().get_rng_state()},
                    os.path.join(tmp, "training_state", f"rng_rank{dist.get_rank()}.pt"))
         if dist.get_rank() == 0:
-            tokenizer.save_pretrained(tmp)
+            AutoTokenizer.from_pretrained(args.sft_model_path, trust_remote_code=args.trust_remote_code).save_pretrained(tmp)
             with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
                 json.dump({"script": os.path.basename(__file__), "update": update, "episode": episode, "args": asdict(args)},
                           f, indent=1)
@@ -834,10 +855,10 @@ def run_directory(args):
     return name[0], run_dir or os.path.join(os.path.abspath(args.output_dir), name[0])
 
 
-def load_model(args, path, tokenizer, reward=False):
+def load_model(args, path, reward=False):
     """A causal LM or, with `reward`, a one-label sequence classifier (None without a path). Dropout is off (it
-    would make the log-probabilities of the same tokens disagree) and the embeddings have room for the pad
-    token, which the tokenizer may have added."""
+    would make the log-probabilities of the same tokens disagree). The vocabulary stays the model's own: the pad
+    token that load_tokenizer may add is never read by a model."""
     if path is None:
         return None
     load = dict(dtype=torch.bfloat16 if args.bf16 else torch.float32, trust_remote_code=args.trust_remote_code)
@@ -846,9 +867,6 @@ def load_model(args, path, tokenizer, reward=False):
     else:
         model = AutoModelForCausalLM.from_pretrained(path, **load)
     disable_dropout(model)
-    model.config.pad_token_id = tokenizer.pad_token_id
-    if len(tokenizer) > model.get_input_embeddings().num_embeddings:
-        model.resize_token_embeddings(len(tokenizer))
     return model
 
 
@@ -1072,11 +1090,37 @@ def right_pad(sequences, pad_value, device):
     return out.to(device)
 
 
+def tied_output_names(module):
+    """The names under which a model whose output layer is its input embedding (`tie_word_embeddings`: SmolLM2,
+    Qwen2.5 up to 3B, Llama 3.2, Gemma) holds that weight a second time, such as ["lm_head.weight"]; else []."""
+    embedding = module.get_input_embeddings().weight
+    names = [name for name, p in module.named_parameters(remove_duplicate=False) if p is embedding]
+    return names[1:]
+
+
+def write_for_vllm(module, state_dict, path):
+    """save_pretrained for vLLM: a tied output layer is written as a weight of its own, under a config that unties
+    it. vLLM 0.32 ties such a layer to its embedding when it first loads, and its reloads (both hand-offs) skip it
+    (`lm_head.*`): vLLM would go on sampling with the first weights' output layer. Untied, vLLM's copy costs one
+    more embedding matrix of memory and of every hand-off; the learner's model stays tied."""
+    tied = tied_output_names(module)
+    if tied:
+        embedding = state_dict[next(n for n, p in module.named_parameters() if p is module.get_input_embeddings().weight)]
+        state_dict = {**state_dict, **{name: embedding.clone() for name in tied}}
+    config = module.config.get_text_config()
+    saved = config.tie_word_embeddings
+    config.tie_word_embeddings = saved and not tied
+    try:
+        module.save_pretrained(path, state_dict=state_dict)
+    finally:
+        config.tie_word_embeddings = saved
+
+
 def save_for_vllm(policy, path):
-    """Write the policy's weights where vLLM can load them; every rank takes part, rank 0 writes."""
+    """Write the policy's weights where vLLM can load them (write_for_vllm); every rank takes part, rank 0 writes."""
     state_dict = gathered_state_dict(policy)
     if dist.get_rank() == 0:
-        policy.module.save_pretrained(path, state_dict=state_dict)
+        write_for_vllm(policy.module, state_dict, path)
 
 
 def in_thread(function, *args):
@@ -1161,16 +1205,17 @@ def hand_off_watchdog(step, client):
 class PolicyWeights:
     """The policy's parameters as vLLM's trainer-side weight transfer engines take them (a vLLM WeightSource): their
     names, dtypes and shapes up front, then the tensors one at a time in the same order. Every rank iterates: under
-    ZeRO-3 each module's parameters are gathered in turn and released after, so no device holds the whole model."""
+    ZeRO-3 each module's parameters are gathered in turn and released after, so no device holds the whole model.
+    A tied weight goes under each of its names: vLLM's copy is untied (write_for_vllm). `names` keeps only those."""
 
-    def __init__(self, module):
-        self.module = module
+    def __init__(self, module, names=None):
+        self.module, self.names = module, names
 
     def _by_module(self):
-        seen = set()  # a tied weight (one parameter under two names) goes once, as named_parameters() gives it
         for prefix, submodule in self.module.named_modules():
-            own = [(name, p) for name, p in submodule.named_parameters(prefix=prefix, recurse=False) if id(p) not in seen]
-            seen.update(id(p) for _, p in own)
+            own = [(name, p) for name, p in submodule.named_parameters(prefix=prefix, recurse=False,
+                                                                        remove_duplicate=False)
+                   if self.names is None or name in self.names]
             if own:
                 yield own
 
@@ -1364,10 +1409,11 @@ def weight_transfer(args, llm, module, rank):
         return engine.trainer_init(info, client=client, source=PolicyWeights(module))
 
 
-def hand_over_weights(policy, version, *, transfer, generator, weights_dir):
+def hand_over_weights(policy, version, *, transfer, generator, weights_dir, expected=None):
     """Give vLLM version `version` of the policy: in memory through `transfer` (weight_transfer()), or with None as a
-    save_pretrained directory that the generator loads. Every rank calls this; `generator` is rank 0's, else None.
-    Returns the seconds spent waiting for the generator to finish batches of older policies."""
+    save_pretrained directory that the generator loads; with `expected` (a WeightCheck), the generator checks vLLM's
+    weights once loaded. Every rank calls this; `generator` is rank 0's, else None. Returns the seconds spent waiting
+    for the generator to finish batches of older policies."""
     path, waited = None, 0.0
     if transfer is None:
         path = os.path.join(weights_dir, f"policy-{version}")
@@ -1386,8 +1432,70 @@ def hand_over_weights(policy, version, *, transfer, generator, weights_dir):
                 generator._raise_if_generator_failed()
             raise RuntimeError(f"handing version {version} of the policy to vLLM failed: {error}") from error
     if generator is not None:
-        generator.publish(version, path, finish=getattr(transfer, "finish", None))
+        generator.publish(version, path, finish=getattr(transfer, "finish", None), expected=expected)
     return waited
+
+
+class WeightCheck(NamedTuple):
+    """What vLLM must hold after loading a version of the policy, taken from the learner when it handed the version
+    over (check_vllm_weights() compares): the log-probabilities of the probe's tokens and the digests of the
+    parameters that vLLM keeps as the learner does (those whose digests agreed when vLLM started)."""
+    logprobs: list
+    digests: dict
+
+
+class WeightsDiffer(Exception):
+    """vLLM does not hold the learner's weights: the run stops with this one line."""
+
+
+PROBE_TOLERANCE = {False: 1e-3, True: 5e-2}  # mean |log-probability difference| allowed, by --bf16 (measured noise:
+# float32 1e-5, bfloat16 1e-2: docs/rloo_vllm.md, "Weight check")
+
+
+def weight_digests(named_tensors):
+    """sha256 of each tensor's bytes, as vLLM's own compute_weight_checksums hashes its parameters."""
+    return {name: hashlib.sha256(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy()).hexdigest()
+            for name, t in named_tensors}
+
+
+def vllm_digests(llm):
+    """vLLM's digest of each parameter of its model (one worker: no tensor parallelism), by parameter name."""
+    (digests,) = llm.collective_rpc("compute_weight_checksums")
+    return {name.rsplit(":", 1)[-1]: digest for name, digest in digests.items()}  # "dp0:pp0:pcp0:tp0:<name>"
+
+
+@torch.no_grad()
+def learner_weight_check(policy, probe, names, pad_token_id, device):
+    """The WeightCheck of the learner's current weights (every rank takes part; rank 0's is the one used): the
+    log-probabilities, at temperature 1, of every probe sequence's tokens after its first, and the digests of `names`
+    (None: of every parameter, under each of its names)."""
+    ids = left_pad(probe, pad_token_id, device)
+    logprobs = response_logprobs(forward(policy, ids, pad_token_id).logits, ids[:, 1:], 1, 1.0)
+    digests = weight_digests(PolicyWeights(policy.module, names))
+    return WeightCheck([row[len(row) - len(p) + 1:].tolist() for row, p in zip(logprobs, probe)], digests)
+
+
+def check_vllm_weights(llm, version, probe, expected, bf16):
+    """Stop the run (raise WeightsDiffer) unless vLLM holds version `version` of the learner's policy: its
+    log-probabilities of the probe (prompt log-probabilities, at temperature 1) within PROBE_TOLERANCE of the
+    learner's, and every expected digest equal. Names the parameters that differ, else the probe token."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    sampling = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0, detokenize=False)
+    outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in probe], sampling, use_tqdm=False)
+    vllm_logprobs = [[step[token].logprob for token, step in zip(p[1:], out.prompt_logprobs[1:])]
+                     for p, out in zip(probe, outputs)]
+    difference = torch.tensor([v - e for got, want in zip(vllm_logprobs, expected.logprobs)
+                               for v, e in zip(got, want)]).abs()
+    digests = vllm_digests(llm) if expected.digests else {}
+    differ = [name for name, digest in expected.digests.items() if digests.get(name) != digest]
+    if differ or not difference.mean() <= PROBE_TOLERANCE[bf16]:
+        where = (f"parameters that differ: {', '.join(differ[:3])}{' ...' if len(differ) > 3 else ''}" if differ else
+                 f"largest at probe token {difference.argmax().item()}; no parameter vLLM keeps as the learner does differs")
+        raise WeightsDiffer(f"vLLM does not hold version {version} of the learner's policy: its log-probabilities of "
+                            f"the probe differ by {difference.mean():.2e} on average (tolerance "
+                            f"{PROBE_TOLERANCE[bf16]:.0e}); {where} (--check-weights-every)")
 
 
 def exit_on_signals():
@@ -1448,8 +1556,8 @@ class Generator:
     an error in the generator, or the death of vLLM's engine, is raised in the learner."""
 
     def __init__(self, args, llm, *, weights_dir, train_prompts, prompts_per_rank, k, stop_id, first_version,
-                 off_policy_steps, resumed_batches=()):
-        self.args, self.llm, self.weights_dir, self.stop_id = args, llm, weights_dir, stop_id
+                 off_policy_steps, probe, resumed_batches=()):
+        self.args, self.llm, self.weights_dir, self.stop_id, self.probe = args, llm, weights_dir, stop_id, probe
         self.train_prompts, self.prompts_per_rank, self.k = train_prompts, prompts_per_rank, k
         self.first_version, self.off_policy_steps = first_version, off_policy_steps
         self.batches, self.versions, self.receivers = queue.Queue(), queue.Queue(), queue.Queue()
@@ -1464,10 +1572,11 @@ class Generator:
     def start(self):
         self.thread.start()
 
-    def publish(self, version, weights_path=None, finish=None):
+    def publish(self, version, weights_path=None, finish=None, expected=None):
         """Hand the generator version `version` of the policy: a save_pretrained directory that it loads and deletes,
-        or None for weights sent to vLLM in memory, whose update `finish`, if given, completes."""
-        self.versions.put((version, weights_path, finish))
+        or None for weights sent to vLLM in memory, whose update `finish`, if given, completes; then, given the
+        learner's WeightCheck, it checks what vLLM holds."""
+        self.versions.put((version, weights_path, finish, expected))
 
     def wait_for_receiver(self, version):
         """Wait until the generator has generated every batch of older policies and waits for this version: then the
@@ -1502,6 +1611,8 @@ class Generator:
         shutil.rmtree(self.weights_dir, ignore_errors=True)
 
     def _raise_if_generator_failed(self):
+        if isinstance(self.error, WeightsDiffer):
+            raise SystemExit(f"error: {self.error}")
         if self.error is not None:
             raise RuntimeError(f"the generator failed: {self.error!r}") from self.error
         if self.llm.llm_engine.engine_core.resources.engine_dead:  # a generate() waiting on it never returns
@@ -1530,12 +1641,14 @@ class Generator:
                 t0 = time.time()
                 while loaded < generating_version(update, self.first_version, self.off_policy_steps):
                     self.receivers.put(loaded + 1)  # for wait_for_receiver(): vLLM is idle until the next version
-                    loaded, weights_path, finish = self._take(self.versions, "new weights", check=lambda: None)
+                    loaded, weights_path, finish, expected = self._take(self.versions, "new weights", check=lambda: None)
                     if weights_path is not None:
                         load_into_vllm(self.llm, weights_path)
                         shutil.rmtree(weights_path, ignore_errors=True)
                     if finish is not None:
                         finish()
+                    if expected is not None:
+                        check_vllm_weights(self.llm, loaded, self.probe, expected, args.bf16)
                 t1 = time.time()
                 # Every rank's prompts, rank after rank, as the synchronous scripts choose them.
                 prompts = [self.train_prompts[i] for r in range(world_size) for i in
@@ -1569,16 +1682,15 @@ if __name__ == "__main__":
 
     # Models and DeepSpeed engines: the policy and the value model train (two engines, each with its own AdamW and
     # schedule; the value model starts from the reward model); the reference and reward models only run forward.
-    policy = training_engine(args, load_model(args, args.sft_model_path, tokenizer))
+    policy = training_engine(args, load_model(args, args.sft_model_path))
     # The value model starts from the reward model or, with --rule-reward, from the SFT policy with a fresh score
     # head, drawn from --seed on every rank (ZeRO-3 partitions each rank's own copy).
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(args.seed)
-        value_model = training_engine(args, load_model(args, args.reward_model_path or args.sft_model_path,
-                                                       tokenizer, reward=True))
-    ref_policy = frozen_engine(args, load_model(args, args.sft_model_path, tokenizer))
-    reward_model = frozen_engine(args, load_model(args, args.reward_model_path, tokenizer, reward=True))
-    gold_model = frozen_engine(args, load_model(args, args.gold_reward_model_path, tokenizer, reward=True))
+        value_model = training_engine(args, load_model(args, args.reward_model_path or args.sft_model_path, reward=True))
+    ref_policy = frozen_engine(args, load_model(args, args.sft_model_path))
+    reward_model = frozen_engine(args, load_model(args, args.reward_model_path, reward=True))
+    gold_model = frozen_engine(args, load_model(args, args.gold_reward_model_path, reward=True))
 
     start_update, episode, resumed_batches = 0, 0, []
     if args.resume:
@@ -1599,13 +1711,29 @@ if __name__ == "__main__":
     atexit.register(shutil.rmtree, weights_dir, ignore_errors=True)
     save_for_vllm(policy, os.path.join(weights_dir, f"policy-{start_update}"))
     if rank == 0:
-        tokenizer.save_pretrained(os.path.join(weights_dir, f"policy-{start_update}"))
+        AutoTokenizer.from_pretrained(args.sft_model_path, trust_remote_code=args.trust_remote_code).save_pretrained(
+            os.path.join(weights_dir, f"policy-{start_update}"))
         llm = start_vllm(args, os.path.join(weights_dir, f"policy-{start_update}"), args.weight_sync == "memory")
         shutil.rmtree(os.path.join(weights_dir, f"policy-{start_update}"))
         generator = Generator(args, llm, weights_dir=weights_dir, train_prompts=train_prompts,
                               prompts_per_rank=prompts_per_rank, k=1, stop_id=stop_id, first_version=start_update,
-                              off_policy_steps=off_policy_steps, resumed_batches=resumed_batches)
+                              off_policy_steps=off_policy_steps, probe=eval_prompts[:4], resumed_batches=resumed_batches)
         atexit.register(generator.close)  # on every way out: the end, an error, Ctrl-C, SIGTERM
+    # The weight check (--check-weights-every): vLLM's log-probabilities of a probe (4 eval prompts) against the
+    # learner's, and the digests of the parameters vLLM keeps as the learner does (found now: every one on a GPU; on
+    # a CPU vLLM repacks its linear layers, so embeddings and norms), first here, then after hand-offs.
+    checked_names = [None]
+    if args.check_weights_every:
+        expected = learner_weight_check(policy, eval_prompts[:4], None, tokenizer.pad_token_id, device)
+        if rank == 0:
+            digests = vllm_digests(llm)
+            checked_names = [sorted(n for n, d in expected.digests.items() if digests.get(n) == d)]
+            try:
+                check_vllm_weights(llm, start_update, eval_prompts[:4],
+                                   expected._replace(digests={n: expected.digests[n] for n in checked_names[0]}), args.bf16)
+            except WeightsDiffer as error:
+                sys.exit(f"error: {error}")
+        dist.broadcast_object_list(checked_names, src=0)
     # The in-memory hand-off connects before the generator starts: then only its thread uses vLLM (but while it waits
     # for weights, see wait_for_receiver()).
     transfer = weight_transfer(args, llm if rank == 0 else None, policy.module, rank) if args.weight_sync == "memory" else None
@@ -1707,8 +1835,10 @@ if __name__ == "__main__":
         # 5. Hand the new weights to vLLM, if a later batch is to be generated by them.
         waited = 0.0  # for the generator to finish batches of older policies: idle, like waiting for a batch
         if generating_version(args.num_updates, start_update, off_policy_steps) >= update:
+            check = args.check_weights_every and (update == start_update + 1 or update % args.check_weights_every == 0)
+            expected = learner_weight_check(policy, eval_prompts[:4], checked_names[0], pad, device) if check else None
             waited = hand_over_weights(policy, update, transfer=transfer, generator=generator if rank == 0 else None,
-                              weights_dir=weights_dir)
+                                       weights_dir=weights_dir, expected=expected)
         t4 = time.time()
 
         # 6. Log, evaluate, save.
@@ -1761,7 +1891,7 @@ if __name__ == "__main__":
             # The batches already generated for the next K updates go into the checkpoint: a resumed run trains
             # on them as this one will, so that an asynchronous run resumes exactly.
             ahead = generator.peek(min(off_policy_steps, args.num_updates - update)) if rank == 0 else []
-            save_checkpoint(args, run_dir, update, episode, {"policy": policy, "value_model": value_model}, tokenizer,
+            save_checkpoint(args, run_dir, update, episode, {"policy": policy, "value_model": value_model},
                             extra_files={GENERATED_BATCHES: [batch._asdict() for batch in ahead]})
 
     progress.close()

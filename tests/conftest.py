@@ -16,6 +16,17 @@ TINY = os.path.join(ROOT, "assets", "tiny")
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "assets"))
 
+SMOLLM2 = os.path.join(ROOT, "assets", "smollm2")
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """assets/smollm2 (a real pretrained chat model and its arithmetic task), built on first use (about 30 s)."""
+    if not os.path.isfile(os.path.join(SMOLLM2, "model", "model.safetensors")):
+        run([sys.executable, "assets/make_smollm2.py"], timeout=900)
+    return SMOLLM2
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "slow: runs a script, a vLLM engine or a build (deselect with -m 'not slow')")
 
