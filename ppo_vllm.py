@@ -1448,8 +1448,8 @@ class WeightsDiffer(Exception):
     """vLLM does not hold the learner's weights: the run stops with this one line."""
 
 
-PROBE_TOLERANCE = {False: 1e-3, True: 5e-2}  # mean |log-probability difference| allowed, by --bf16 (measured noise:
-# float32 1e-5, bfloat16 1e-2: docs/rloo_vllm.md, "Weight check")
+PROBE_TOLERANCE = {False: 1e-3, True: 0.25}  # the mean |difference| of log-probabilities allowed, by --bf16; vLLM
+# against the learner with the same weights on a CPU: 5e-6 (SmolLM2) and 6e-7 (tiny) in float32, 0.07 and 8e-4 in bfloat16
 
 
 def weight_digests(named_tensors):
