@@ -8,7 +8,9 @@ greedy answers to held-out prompts at the start and the end; then each script's 
 With `--task math` (the math task, assets/tiny_math, scored by the last-number rule) the scores are
 greedy test accuracy, evaluated every 20 updates, and it also prints both accuracy curves against the
 loop's wall clock and when each first reached the `--sync` run's final accuracy (the paper's
-comparison: the time to equal accuracy). With several `--seeds` the tables and curves are means over
+comparison: the time to equal accuracy). `--task smollm2` does the same with a real pretrained chat model,
+SmolLM2-135M-Instruct, on one-digit sums (assets/make_smollm2.py builds both; docs/results.md), with the
+settings that learn there (SMOLLM2 below). With several `--seeds` the tables and curves are means over
 seeds (one seed's accuracy on the 288 test problems moves by about 0.025 between evaluations).
 
     python benchmark/async_speedup.py                      # 4 scripts x 200 updates x 2 modes, about 16 minutes on 2 CPU cores
@@ -16,6 +18,7 @@ seeds (one seed's accuracy on the 288 test problems moves by about 0.025 between
     python benchmark/async_speedup.py --task math --scripts rloo_vllm online_dpo_vllm --seeds 1 2 3 \
         --total-episodes 25600 --async-total-episodes 32000 --learning-rate 1e-4   # to the plateau, 31 minutes
     python benchmark/async_speedup.py --scripts online_dpo_vllm --total-episodes 64000 --off-policy-steps 2
+    python benchmark/async_speedup.py --task smollm2 --scripts rloo_vllm --total-episodes 320   # a real model, 15 minutes
 
 Any other argument is passed to every run (for example --learning-rate 1e-4).
 """
@@ -36,6 +39,10 @@ MATH_COLUMNS = COLUMNS[:5] + ["start accuracy", "accuracy"]
 MATH = ["--sft-model-path", "assets/tiny_math/sft", "--dataset-name", "assets/tiny_math/data", "--rule-reward",
         "last_number", "--response-length", "8", "--max-prompt-length", "48", "--learning-rate", "3e-4",
         "--num-eval-prompts", "288", "--eval-every", "20"]
+SMOLLM2 = ["--sft-model-path", "assets/smollm2/model", "--dataset-name", "assets/smollm2/data", "--rule-reward",
+           "last_number", "--response-length", "16", "--max-prompt-length", "64", "--k", "4",
+           "--per-device-train-batch-size", "32", "--learning-rate", "3e-6", "--missing-eos-penalty", "0",
+           "--num-eval-prompts", "96", "--eval-every", "5"]
 
 
 def run(script, mode_arguments, total_episodes, extra, output_dir):
@@ -89,11 +96,12 @@ def main():
     parser.add_argument("--async-total-episodes", type=int, default=0,
                         help="episodes of the asynchronous runs, if more (to time them to the sync run's final accuracy)")
     parser.add_argument("--seeds", type=int, nargs="+", default=[1], help="seeds of each mode; the tables average them")
-    parser.add_argument("--task", choices=["tiny", "math"], default="tiny",
-                        help="tiny: the TL;DR miniature (reward models); math: assets/tiny_math with the rule reward")
+    parser.add_argument("--task", choices=["tiny", "math", "smollm2"], default="tiny",
+                        help="tiny: the TL;DR miniature (reward models); math: assets/tiny_math with the rule reward; "
+                             "smollm2: SmolLM2-135M-Instruct on one-digit sums (assets/make_smollm2.py)")
     options, extra = parser.parse_known_args()
-    columns = MATH_COLUMNS if options.task == "math" else COLUMNS
-    extra = (MATH if options.task == "math" else []) + extra
+    columns = COLUMNS if options.task == "tiny" else MATH_COLUMNS
+    extra = {"tiny": [], "math": MATH, "smollm2": SMOLLM2}[options.task] + extra
 
     speedups = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -118,7 +126,7 @@ def main():
             speedups[script] = results["async"]["episodes/s"] / results["sync"]["episodes/s"]
             print(f"async speed-up (async episodes/s / sync episodes/s; at equal episodes, sync loop time / async "
                   f"loop time): {speedups[script]:.2f}x", flush=True)
-            if options.task == "math":
+            if options.task != "tiny":
                 for name, result in results.items():
                     print(f"{name:6} accuracy against loop seconds: "
                           + " ".join(f"{seconds:.1f}s:{score:.3f}" for seconds, score in result["curve"]))
