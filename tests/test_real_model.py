@@ -38,11 +38,13 @@ def _vllm_logprobs(llm, prompts, length):
 
 
 def _largest_difference(model, prompts, vllm_logprobs):
-    difference = 0.0
+    difference, hf = 0.0, {}
     for (i, prefix, token), logprob in vllm_logprobs.items():
-        with torch.no_grad():
-            logits = model(input_ids=torch.tensor([prompts[i] + list(prefix)])).logits[0, -1]
-        difference = max(difference, abs(torch.log_softmax(logits.float(), -1)[token].item() - logprob))
+        if (i, prefix) not in hf:
+            with torch.no_grad():
+                logits = model(input_ids=torch.tensor([prompts[i] + list(prefix)])).logits[0, -1]
+            hf[i, prefix] = torch.log_softmax(logits.float(), -1)
+        difference = max(difference, abs(hf[i, prefix][token].item() - logprob))
     return difference
 
 
