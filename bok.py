@@ -106,8 +106,8 @@ class Args:
 
     deepspeed_config: str = "ds_configs/zero2.json"
     """DeepSpeed JSON config (ZeRO stage, offload); batch sizes and precision are filled in here"""
-    bf16: bool = torch.cuda.is_available() and torch.cuda.is_bf16_supported()
-    """train and generate in bfloat16 (default: on when a GPU that supports it is present)"""
+    bf16: bool = torch.cuda.is_available() and torch.cuda.is_bf16_supported(including_emulation=False)
+    """train and generate in bfloat16 (default: on when the GPU has it natively, compute capability 8.0 or later)"""
     gradient_checkpointing: bool = False
     """recompute activations in the backward pass to save memory"""
     eval_every: int = 20
@@ -134,6 +134,7 @@ class Args:
 
 def validate(args):
     """Check the arguments before any model is loaded; fill in the derived batch sizes."""
+    check_gpu_driver()
     for name in ("per_device_train_batch_size", "gradient_accumulation_steps", "num_mini_batches",
                  "num_ppo_epochs", "response_length", "max_prompt_length", "total_episodes", "num_eval_prompts"):
         if getattr(args, name) < 1:
@@ -147,8 +148,9 @@ def validate(args):
         fail("temperature", f"must be positive, got {args.temperature}")
     if args.missing_eos_mode not in ("add", "replace"):
         fail("missing_eos_mode", f"must be add or replace, got {args.missing_eos_mode!r}")
-    if args.bf16 and torch.cuda.is_available() and not torch.cuda.is_bf16_supported():
-        fail("bf16", "this GPU does not support bfloat16; train in float32 with --no-bf16")
+    if args.bf16 and torch.cuda.is_available() and not torch.cuda.is_bf16_supported(including_emulation=False):
+        fail("bf16", "this GPU has no native bfloat16 (compute capability 8.0 or later: A100, H100, L4, RTX 30xx); "
+                     "train in float32 with --no-bf16")
     for name in ("eval_every", "save_every"):
         if getattr(args, name) < 0:
             fail(name, "must be 0 or more")
@@ -203,6 +205,26 @@ def fail(argument, message):
     """Bad input: one line on stderr naming the argument, exit code 2."""
     print(f"error: --{argument.replace('_', '-')}: {message}", file=sys.stderr)
     sys.exit(2)
+
+
+def check_gpu_driver():
+    """Stop (one line, exit code 2) when this machine has NVIDIA GPUs that this torch cannot use: a CUDA build of
+    torch under a driver older than it needs finds no GPU, and the run would go on on the CPU without a word."""
+    if torch.version.cuda is None or torch.cuda.is_available():
+        return
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        gpus, driver = pynvml.nvmlDeviceGetCount(), pynvml.nvmlSystemGetDriverVersion()
+    except Exception:  # no NVIDIA driver (or no NVML): a machine without NVIDIA GPUs
+        return
+    if gpus:
+        needed = {"12": "R525", "13": "R580"}.get(torch.version.cuda.split(".")[0], "a newer one")
+        print(f"error: this torch is a CUDA {torch.version.cuda} build, which needs NVIDIA driver {needed} or newer; "
+              f"this machine's {gpus} GPU(s) have driver {driver}, so CUDA is unavailable (update the driver, or "
+              "install a torch built for an older CUDA: README, GPUs)", file=sys.stderr)
+        sys.exit(2)
 
 
 def check_model_path(argument, path):

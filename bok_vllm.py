@@ -135,8 +135,8 @@ class Args:
 
     deepspeed_config: str = "ds_configs/zero2.json"
     """DeepSpeed JSON config (ZeRO stage, offload); batch sizes and precision are filled in here"""
-    bf16: bool = torch.cuda.is_available() and torch.cuda.is_bf16_supported()
-    """train and generate in bfloat16 (default: on when a GPU that supports it is present)"""
+    bf16: bool = torch.cuda.is_available() and torch.cuda.is_bf16_supported(including_emulation=False)
+    """train and generate in bfloat16 (default: on when the GPU has it natively, compute capability 8.0 or later)"""
     gradient_checkpointing: bool = False
     """recompute activations in the backward pass to save memory"""
     eval_every: int = 20
@@ -163,6 +163,7 @@ class Args:
 
 def validate(args):
     """Check the arguments before any model is loaded; fill in the derived batch sizes."""
+    check_gpu_driver()
     for name in ("per_device_train_batch_size", "gradient_accumulation_steps", "num_mini_batches",
                  "num_ppo_epochs", "response_length", "max_prompt_length", "total_episodes", "num_eval_prompts"):
         if getattr(args, name) < 1:
@@ -189,8 +190,9 @@ def validate(args):
         fail("temperature", f"must be positive, got {args.temperature}")
     if args.missing_eos_mode not in ("add", "replace"):
         fail("missing_eos_mode", f"must be add or replace, got {args.missing_eos_mode!r}")
-    if args.bf16 and torch.cuda.is_available() and not torch.cuda.is_bf16_supported():
-        fail("bf16", "this GPU does not support bfloat16; train in float32 with --no-bf16")
+    if args.bf16 and torch.cuda.is_available() and not torch.cuda.is_bf16_supported(including_emulation=False):
+        fail("bf16", "this GPU has no native bfloat16 (compute capability 8.0 or later: A100, H100, L4, RTX 30xx); "
+                     "train in float32 with --no-bf16")
     for name in ("eval_every", "save_every"):
         if getattr(args, name) < 0:
             fail(name, "must be 0 or more")
@@ -245,6 +247,26 @@ def fail(argument, message):
     """Bad input: one line on stderr naming the argument, exit code 2."""
     print(f"error: --{argument.replace('_', '-')}: {message}", file=sys.stderr)
     sys.exit(2)
+
+
+def check_gpu_driver():
+    """Stop (one line, exit code 2) when this machine has NVIDIA GPUs that this torch cannot use: a CUDA build of
+    torch under a driver older than it needs finds no GPU, and the run would go on on the CPU without a word."""
+    if torch.version.cuda is None or torch.cuda.is_available():
+        return
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        gpus, driver = pynvml.nvmlDeviceGetCount(), pynvml.nvmlSystemGetDriverVersion()
+    except Exception:  # no NVIDIA driver (or no NVML): a machine without NVIDIA GPUs
+        return
+    if gpus:
+        needed = {"12": "R525", "13": "R580"}.get(torch.version.cuda.split(".")[0], "a newer one")
+        print(f"error: this torch is a CUDA {torch.version.cuda} build, which needs NVIDIA driver {needed} or newer; "
+              f"this machine's {gpus} GPU(s) have driver {driver}, so CUDA is unavailable (update the driver, or "
+              "install a torch built for an older CUDA: README, GPUs)", file=sys.stderr)
+        sys.exit(2)
 
 
 def check_model_path(argument, path):
@@ -903,9 +925,12 @@ def start_vllm(args, model_path, weight_transfer=False):
         gpu, shared = vllm_gpu_placement(os.environ, pynvml.nvmlDeviceGetCount(), args.vllm_gpu)
         share = 0.9 if args.vllm_gpu_memory_utilization is None else args.vllm_gpu_memory_utilization
         if shared is not None:
+            torch.cuda.empty_cache()  # blocks the learner's allocator holds but does not use are free for vLLM
             share = vllm_memory_share(args.vllm_gpu_memory_utilization, *torch.cuda.mem_get_info(shared), gpu)
             print(f"vLLM shares GPU {gpu} with training and takes {share:.2f} of its memory "
                   "(--vllm-gpu-memory-utilization); it has no GPU of its own", flush=True)
+        else:
+            print(f"vLLM runs on GPU {gpu}, a GPU of its own (its engine's CUDA_VISIBLE_DEVICES)", flush=True)
         env = {"CUDA_VISIBLE_DEVICES": gpu}
         engine_args["gpu_memory_utilization"] = share
         backend = "nccl" if shared is None else "ipc"
@@ -927,6 +952,8 @@ def start_vllm(args, model_path, weight_transfer=False):
             engine_args["worker_extension_cls"] = f"{module}.VllmWorkerExtension"
     if weight_transfer:
         engine_args["weight_transfer_config"] = {"backend": backend}
+        if backend == "ipc":
+            allow_pickled_rpc(os.environ)
     saved = {name: os.environ.get(name) for name in env}
     os.environ.update(env)
     try:
@@ -937,6 +964,14 @@ def start_vllm(args, model_path, weight_transfer=False):
                 os.environ.pop(name)
             else:
                 os.environ[name] = value
+
+
+def allow_pickled_rpc(environ):
+    """Let vLLM's RPC carry the CUDA IPC hand-off: its update names each buffer's CUDA handle with torch classes and a
+    dtype, which vLLM's msgpack encoder sends (pickled, over its local sockets between this process and its engine's)
+    only with VLLM_ALLOW_INSECURE_SERIALIZATION=1, read here at each call and by the engine's processes when they
+    start. Set for the run's whole life, before the engine starts."""
+    environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
 
 
 def pin_vllm_to_its_cores(args):
@@ -1074,6 +1109,11 @@ class VllmClient:
                 return done.result(timeout=0.1)
             except TimeoutError:
                 pass
+            except Exception as error:  # raised by vLLM's worker (out of memory for its buffers, ...): the learner may
+                # be waiting in a collective that the worker has left, so hand_off_watchdog() must know at once
+                cause = (str(error).strip().splitlines() or [type(error).__name__])[-1]  # a worker's traceback ends so
+                self.failure = f"weight hand-off: {step} failed in vLLM: {cause}"
+                raise
             if self.llm.llm_engine.engine_core.resources.engine_dead:
                 self.failure = f"weight hand-off: vLLM's engine process died during {step}"
                 raise RuntimeError(self.failure)
@@ -1297,22 +1337,35 @@ def weight_transfer(args, llm, module, rank):
     backend = [llm.llm_engine.vllm_config.weight_transfer_config.backend if rank == 0 else None]
     if args.world_size > 1:  # the other ranks learn it from rank 0
         dist.broadcast_object_list(backend, src=0)
+    source = PolicyWeights(module)
+    buffer_bytes = packed_buffer_bytes(source.metadata())
     if backend[0] == "nccl":
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        engine, info = NCCLTrainerWeightTransferEngine, NCCLTrainerInitInfo("127.0.0.1", port, 2, rank=rank)
+        engine = NCCLTrainerWeightTransferEngine
+        info = NCCLTrainerInitInfo("127.0.0.1", port, 2, rank=rank, packed_buffer_size_bytes=buffer_bytes)
     elif backend[0] == "ipc":
         # packed: in bounded chunks (unpacked, it would keep a copy of every tensor until the update ends)
-        engine, info = IPCTrainerWeightTransferEngine, IPCTrainerInitInfo(rank=rank, packed=True)
+        engine = IPCTrainerWeightTransferEngine
+        info = IPCTrainerInitInfo(rank=rank, packed=True, packed_buffer_size_bytes=buffer_bytes)
     else:
         engine = gloo_weight_transfer()[1]
         info = engine.init_info_cls(rank=rank, timeout=args.generation_timeout)
     if rank != 0:
-        return engine.trainer_init(info, client=None, source=PolicyWeights(module))
+        return engine.trainer_init(info, client=None, source=source)
     client = VllmClient(llm, args.generation_timeout)
     with hand_off_watchdog("connecting to vLLM's worker", client):
-        return engine.trainer_init(info, client=client, source=PolicyWeights(module))
+        return engine.trainer_init(info, client=client, source=source)
+
+
+def packed_buffer_bytes(metadata, bound=256 * 2**20):
+    """Size of the buffers that vLLM's NCCL and CUDA IPC transfers pack parameters into: 256 MiB, or the largest
+    parameter's bytes if more (CUDA IPC packs into one buffer of exactly this size and refuses a larger tensor).
+    This GPU memory is outside vLLM's --vllm-gpu-memory-utilization share: CUDA IPC keeps one buffer on rank 0's GPU;
+    NCCL packs into two in flight on rank 0 and vLLM's worker receives into two, each up to this plus the largest
+    parameter (at vLLM's default, 1 GiB, that is 2 GiB or more on each side)."""
+    return max([bound] + [math.prod(m.shape) * m.dtype.itemsize for m in metadata])
 
 
 def hand_over_weights(policy, version, *, transfer, generator, weights_dir, expected=None):
@@ -1330,6 +1383,8 @@ def hand_over_weights(policy, version, *, transfer, generator, weights_dir, expe
             generator.wait_for_receiver(version)
             waited = time.time() - start
         try:
+            if torch.cuda.is_available():  # the optimizer's step may still run on the default stream, and vLLM's NCCL
+                torch.cuda.current_stream().synchronize()  # packer reads the parameters on streams of its own
             client = getattr(transfer, "client", None)  # rank 0's
             with hand_off_watchdog(f"sending version {version}", client) if client else contextlib.nullcontext():
                 transfer.send_weights()

@@ -86,8 +86,8 @@ class Args:
     """prompts per HF generation and per forward pass"""
     seed: int = 1
     """random seed"""
-    bf16: bool = torch.cuda.is_available() and torch.cuda.is_bf16_supported()
-    """train and generate in bfloat16 (default: on when a GPU that supports it is present)"""
+    bf16: bool = torch.cuda.is_available() and torch.cuda.is_bf16_supported(including_emulation=False)
+    """train and generate in bfloat16 (default: on when the GPU has it natively, compute capability 8.0 or later)"""
     output: Optional[str] = None
     """JSON file for the results (default: evaluation.json in the run directory, or in the checkpoint)"""
     track: bool = False
@@ -112,6 +112,7 @@ class Args:
 
 def validate(args):
     """Check the arguments before any model is loaded."""
+    check_gpu_driver()
     if args.checkpoints is None:
         fail("checkpoints", "required: a run directory, a checkpoint or a model")
     check_model_path("checkpoints", args.checkpoints)
@@ -145,8 +146,9 @@ def validate(args):
         fail("num_eval_prompts", "must be 0 (all) or more")
     if args.vllm_gpu_memory_utilization is not None and not 0 < args.vllm_gpu_memory_utilization <= 1:
         fail("vllm_gpu_memory_utilization", f"must be in (0, 1], got {args.vllm_gpu_memory_utilization}")
-    if args.bf16 and torch.cuda.is_available() and not torch.cuda.is_bf16_supported():
-        fail("bf16", "this GPU does not support bfloat16; evaluate in float32 with --no-bf16")
+    if args.bf16 and torch.cuda.is_available() and not torch.cuda.is_bf16_supported(including_emulation=False):
+        fail("bf16", "this GPU has no native bfloat16 (compute capability 8.0 or later: A100, H100, L4, RTX 30xx); "
+                     "evaluate in float32 with --no-bf16")
     if args.backend not in ("auto", "vllm", "hf"):
         fail("backend", f"must be auto, vllm or hf, got {args.backend!r}")
     has_vllm = importlib.util.find_spec("vllm") is not None
@@ -309,6 +311,26 @@ def fail(argument, message):
     """Bad input: one line on stderr naming the argument, exit code 2."""
     print(f"error: --{argument.replace('_', '-')}: {message}", file=sys.stderr)
     sys.exit(2)
+
+
+def check_gpu_driver():
+    """Stop (one line, exit code 2) when this machine has NVIDIA GPUs that this torch cannot use: a CUDA build of
+    torch under a driver older than it needs finds no GPU, and the run would go on on the CPU without a word."""
+    if torch.version.cuda is None or torch.cuda.is_available():
+        return
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        gpus, driver = pynvml.nvmlDeviceGetCount(), pynvml.nvmlSystemGetDriverVersion()
+    except Exception:  # no NVIDIA driver (or no NVML): a machine without NVIDIA GPUs
+        return
+    if gpus:
+        needed = {"12": "R525", "13": "R580"}.get(torch.version.cuda.split(".")[0], "a newer one")
+        print(f"error: this torch is a CUDA {torch.version.cuda} build, which needs NVIDIA driver {needed} or newer; "
+              f"this machine's {gpus} GPU(s) have driver {driver}, so CUDA is unavailable (update the driver, or "
+              "install a torch built for an older CUDA: README, GPUs)", file=sys.stderr)
+        sys.exit(2)
 
 
 def check_model_path(argument, path):
@@ -475,9 +497,12 @@ def start_vllm(args, model_path, weight_transfer=False):
         gpu, shared = vllm_gpu_placement(os.environ, pynvml.nvmlDeviceGetCount(), args.vllm_gpu)
         share = 0.9 if args.vllm_gpu_memory_utilization is None else args.vllm_gpu_memory_utilization
         if shared is not None:
+            torch.cuda.empty_cache()  # blocks the learner's allocator holds but does not use are free for vLLM
             share = vllm_memory_share(args.vllm_gpu_memory_utilization, *torch.cuda.mem_get_info(shared), gpu)
             print(f"vLLM shares GPU {gpu} with training and takes {share:.2f} of its memory "
                   "(--vllm-gpu-memory-utilization); it has no GPU of its own", flush=True)
+        else:
+            print(f"vLLM runs on GPU {gpu}, a GPU of its own (its engine's CUDA_VISIBLE_DEVICES)", flush=True)
         env = {"CUDA_VISIBLE_DEVICES": gpu}
         engine_args["gpu_memory_utilization"] = share
         backend = "nccl" if shared is None else "ipc"
@@ -499,6 +524,8 @@ def start_vllm(args, model_path, weight_transfer=False):
             engine_args["worker_extension_cls"] = f"{module}.VllmWorkerExtension"
     if weight_transfer:
         engine_args["weight_transfer_config"] = {"backend": backend}
+        if backend == "ipc":
+            allow_pickled_rpc(os.environ)
     saved = {name: os.environ.get(name) for name in env}
     os.environ.update(env)
     try:
@@ -509,6 +536,14 @@ def start_vllm(args, model_path, weight_transfer=False):
                 os.environ.pop(name)
             else:
                 os.environ[name] = value
+
+
+def allow_pickled_rpc(environ):
+    """Let vLLM's RPC carry the CUDA IPC hand-off: its update names each buffer's CUDA handle with torch classes and a
+    dtype, which vLLM's msgpack encoder sends (pickled, over its local sockets between this process and its engine's)
+    only with VLLM_ALLOW_INSECURE_SERIALIZATION=1, read here at each call and by the engine's processes when they
+    start. Set for the run's whole life, before the engine starts."""
+    environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
 
 
 def vllm_generate(llm, prompts, k, response_length, stop_token_id, temperature, seed):

@@ -13,9 +13,15 @@ phase's useful FLOP/s (2 x matmul parameters x passes x real tokens) against thi
 peak, measured in the same invocation; then HF `generate` against the scripts' decoding loop on one
 batch. docs/performance.md has the results and what they mean.
 
+With `--task smollm2` the workload is a real pretrained chat model instead, SmolLM2-135M-Instruct on chat
+one-digit sums with the last-number rule as reward (assets/make_smollm2.py builds both), at the settings that
+learn there (docs/results.md): 8 prompts x 4 completions x 16 new tokens an update, learning rate 3e-6; `rloo.py`
+against TRL's RLOOTrainer (TRL applies the same chat template and is given the same rule as a reward function).
+
     pip install -r requirements-bench.txt        # TRL, on top of the CPU install
     python benchmark/throughput.py               # 3 rounds, fp32 and bf16, ours and TRL: about 22 minutes
     python benchmark/throughput.py --quick       # CI: our scripts once, fp32, 6 updates, no TRL
+    python benchmark/throughput.py --task smollm2 --rounds 1 --updates 6 --precision fp32   # about 12 minutes
 """
 
 import argparse
@@ -50,6 +56,30 @@ BASELINE = {"rloo.py": "trl RLOOTrainer", "online_dpo.py": "trl OnlineDPOTrainer
 # training phase is the backward alone; bok.py trains on the best of each prompt's 2 responses.
 TRAINING_WORK = {"rloo.py": (BATCH, 2), "online_dpo.py": (BATCH, 3), "bok.py": (PROMPTS, 3), "ppo.py": (BATCH, 3),
                  "online_dpo_vllm.py": (BATCH, 3)}
+
+
+# The real-model workload (--task smollm2): what one update is, for our rloo.py and TRL's RLOOTrainer alike.
+SMOLLM2 = dict(prompts=8, completions=4, new_tokens=16, learning_rate=3e-6)
+SMOLLM2_OURS = ["--sft-model-path", "assets/smollm2/model", "--dataset-name", "assets/smollm2/data", "--rule-reward",
+                "last_number", "--k", "4", "--max-prompt-length", "64", "--missing-eos-penalty", "0",
+                "--learning-rate", "3e-6"]
+
+
+def build_smollm2_workload(directory):
+    """The chat prompts with their answers as TRL reads them (`prompt`: the messages); the policy is
+    assets/smollm2/model. Returns the mean prompt length in tokens, chat template included."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(os.path.join(ROOT, "assets/smollm2/model"))
+    with open(os.path.join(ROOT, "assets/smollm2/data/train.jsonl")) as f:
+        rows = [json.loads(line) for line in f]
+    os.makedirs(os.path.join(directory, "data"))
+    with open(os.path.join(directory, "data", "train.jsonl"), "w") as f:
+        for row in rows:
+            f.write(json.dumps({"prompt": row["messages"], "answer": row["answer"]}) + "\n")
+    lengths = [len(tokenizer.apply_chat_template(row["messages"], add_generation_prompt=True, tokenize=True))
+               for row in rows]
+    return sum(lengths) / len(lengths)
 
 
 def build_workload(directory):
@@ -138,13 +168,18 @@ def generation_seconds(workload, dtype, repeats=5):
     return best
 
 
-def run_ours(script, precision, workload, updates, output_dir, quick):
-    command = [sys.executable, script, *OURS[script], "--sft-model-path", f"{workload}/policy",
-               "--reward-model-path", f"{workload}/reward", "--gold-reward-model-path", "None",
-               "--dataset-name", f"{workload}/data", "--response-length", str(NEW_TOKENS),
-               "--temperature", str(TEMPERATURE), "--per-device-train-batch-size", str(BATCH),
-               "--total-episodes", str(BATCH * updates), "--eval-every", "0", "--num-eval-prompts", "16",
-               "--output-dir", output_dir, "--bf16" if precision == "bf16" else "--no-bf16"]
+def run_ours(script, precision, workload, updates, output_dir, quick, task="tiny"):
+    if task == "smollm2":
+        batch = SMOLLM2["prompts"] * SMOLLM2["completions"]
+        command = [sys.executable, script, *SMOLLM2_OURS, "--response-length", str(SMOLLM2["new_tokens"]),
+                   "--per-device-train-batch-size", str(batch), "--total-episodes", str(batch * updates)]
+    else:
+        command = [sys.executable, script, *OURS[script], "--sft-model-path", f"{workload}/policy",
+                   "--reward-model-path", f"{workload}/reward", "--gold-reward-model-path", "None",
+                   "--dataset-name", f"{workload}/data", "--response-length", str(NEW_TOKENS),
+                   "--per-device-train-batch-size", str(BATCH), "--total-episodes", str(BATCH * updates)]
+    command += ["--temperature", str(TEMPERATURE), "--eval-every", "0", "--num-eval-prompts", "16",
+                "--output-dir", output_dir, "--bf16" if precision == "bf16" else "--no-bf16"]
     if script == "online_dpo_vllm.py" and quick:
         command.append("--vllm-enforce-eager")  # skips ~30 s of compilation; generation is slower
     subprocess.run(command, cwd=ROOT, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
@@ -160,17 +195,17 @@ def run_ours(script, precision, workload, updates, output_dir, quick):
             "response_length": statistics.mean(row["val/response_length"] for row in timed)}
 
 
-def run_trl(trainer, precision, workload, updates, output_dir):
+def run_trl(trainer, precision, workload, updates, output_dir, task="tiny"):
     """Runs this file as a TRL worker in a fresh process; returns its episodes per second."""
     result = os.path.join(output_dir, "result.json")
     subprocess.run([sys.executable, os.path.abspath(__file__), "--trl-worker", trainer, "--precision", precision,
-                    "--workload", workload, "--updates", str(updates), "--output", result],
+                    "--workload", workload, "--updates", str(updates), "--output", result, "--task", task],
                    cwd=ROOT, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     with open(result) as f:
         return json.load(f)
 
 
-def trl_worker(trainer, precision, workload, updates, output):
+def trl_worker(trainer, precision, workload, updates, output, task="tiny"):
     """One TRL run on the workload with its fastest fair settings; writes the update end times."""
     from datasets import load_dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
@@ -181,10 +216,31 @@ def trl_worker(trainer, precision, workload, updates, output):
         def on_step_end(self, args, state, control, **kwargs):
             self.times.append(time.time())
 
-    dataset = load_dataset("json", data_files=f"{workload}/data/train.jsonl", split="train").remove_columns("query")
     common = dict(output_dir=os.path.dirname(output), max_steps=updates, learning_rate=2e-5, temperature=TEMPERATURE,
                   top_k=0, top_p=1.0, gradient_checkpointing=False, bf16=precision == "bf16", use_cpu=True,
                   report_to=[], save_strategy="no", logging_steps=10 ** 6, disable_dropout=True, seed=1)
+    if task == "smollm2":
+        from trl import RLOOConfig, RLOOTrainer
+
+        sys.path.insert(0, ROOT)
+        from rloo import last_number_reward
+
+        def last_number(completions, answer, **kwargs):  # the rule our --rule-reward last_number applies
+            return [last_number_reward(c[-1]["content"], a) for c, a in zip(completions, answer)]
+
+        model = os.path.join(ROOT, "assets/smollm2/model")
+        config = RLOOConfig(per_device_train_batch_size=SMOLLM2["prompts"] * SMOLLM2["completions"],
+                            num_generations=SMOLLM2["completions"], max_completion_length=SMOLLM2["new_tokens"],
+                            beta=0.05, **{**common, "learning_rate": SMOLLM2["learning_rate"]})
+        run = RLOOTrainer(model=AutoModelForCausalLM.from_pretrained(model), reward_funcs=last_number, args=config,
+                          train_dataset=load_dataset("json", data_files=f"{workload}/data/train.jsonl", split="train"),
+                          processing_class=AutoTokenizer.from_pretrained(model), callbacks=[UpdateTimes()])
+        run.train()
+        times = UpdateTimes.times
+        with open(output, "w") as f:
+            json.dump({"eps": config.per_device_train_batch_size * (len(times) - 2) / (times[-1] - times[1])}, f)
+        return
+    dataset = load_dataset("json", data_files=f"{workload}/data/train.jsonl", split="train").remove_columns("query")
     policy = AutoModelForCausalLM.from_pretrained(f"{workload}/policy")
     tokenizer = AutoTokenizer.from_pretrained(f"{workload}/policy")
     if trainer == "rloo":
@@ -215,49 +271,67 @@ def main():
     parser.add_argument("--scripts", nargs="*", default=list(OURS), choices=list(OURS))
     parser.add_argument("--no-trl", action="store_true", help="skip TRL (it is not in the user's install)")
     parser.add_argument("--quick", action="store_true", help="one round, fp32, 6 updates, no TRL (for CI)")
+    parser.add_argument("--task", choices=["tiny", "smollm2"], default="tiny",
+                        help="tiny: 3.1 M-parameter models built here; smollm2: SmolLM2-135M-Instruct, rloo.py and TRL's RLOO")
     parser.add_argument("--trl-worker", choices=["rloo", "online_dpo"], help=argparse.SUPPRESS)
     parser.add_argument("--workload", help=argparse.SUPPRESS)
     parser.add_argument("--output", help=argparse.SUPPRESS)
     options = parser.parse_args()
     if options.trl_worker:
-        return trl_worker(options.trl_worker, options.precision[0], options.workload, options.updates, options.output)
+        return trl_worker(options.trl_worker, options.precision[0], options.workload, options.updates, options.output,
+                          options.task)
     if options.quick:
         options.rounds, options.updates, options.precision, options.no_trl = 1, 6, ["fp32"], True
     if options.updates < 4:
         parser.error("--updates: at least 4 (2 warm-up updates, then at least 2 timed)")
+    smollm2 = options.task == "smollm2"
+    if smollm2:
+        options.scripts = ["rloo.py"]
 
-    systems = list(options.scripts) + ([] if options.no_trl else ["trl RLOOTrainer", "trl OnlineDPOTrainer"])
+    systems = list(options.scripts) + ([] if options.no_trl else ["trl RLOOTrainer"] + ([] if smollm2 else
+                                                                                        ["trl OnlineDPOTrainer"]))
     results = {(system, precision): [] for system in systems for precision in options.precision}
     peaks = {precision: 0.0 for precision in options.precision}
     generation = {precision: [] for precision in options.precision}
     with tempfile.TemporaryDirectory() as tmp:
         workload = os.path.join(tmp, "workload")
-        prompt_length = build_workload(workload)
-        policy_params, value_params = matmul_params(f"{workload}/policy"), matmul_params(f"{workload}/reward")
+        if smollm2:
+            prompt_length = build_smollm2_workload(workload)
+            policy_params, value_params = matmul_params(os.path.join(ROOT, "assets/smollm2/model")), 0
+            # (SmolLM2's output layer is the input embedding: it takes part in matmuls but is not counted)
+        else:
+            prompt_length = build_workload(workload)
+            policy_params, value_params = matmul_params(f"{workload}/policy"), matmul_params(f"{workload}/reward")
         for round_ in range(1, options.rounds + 1):
             for precision in options.precision:
                 dtype = torch.float32 if precision == "fp32" else torch.bfloat16
                 peaks[precision] = max(peaks[precision], matmul_peak(dtype))
-                generation[precision].append(generation_seconds(workload, dtype))
+                if not smollm2:
+                    generation[precision].append(generation_seconds(workload, dtype))
                 for system in systems:
                     print(f"round {round_}/{options.rounds}, {precision}: {system} ...", flush=True)
                     output_dir = tempfile.mkdtemp(dir=tmp)
                     try:
                         if system.startswith("trl"):
                             trainer = "rloo" if system == "trl RLOOTrainer" else "online_dpo"
-                            result = run_trl(trainer, precision, workload, options.updates, output_dir)
+                            result = run_trl(trainer, precision, workload, options.updates, output_dir, options.task)
                         else:
-                            result = run_ours(system, precision, workload, options.updates, output_dir, options.quick)
+                            result = run_ours(system, precision, workload, options.updates, output_dir, options.quick,
+                                              options.task)
                     except subprocess.CalledProcessError as error:
                         sys.exit(f"{system} ({precision}) failed:\n{error.stderr.decode()[-3000:]}")
                     if system in TRAINING_WORK:
                         sequences, passes = TRAINING_WORK[system]
+                        if smollm2:
+                            sequences = SMOLLM2["prompts"] * SMOLLM2["completions"]
                         params = policy_params + (value_params if system == "ppo.py" else 0)  # PPO trains both
                         tokens = sequences * (prompt_length + result["response_length"])  # real tokens, no padding
                         result["train_flops"] = 2 * params * passes * tokens / result["training"]
                     results[system, precision].append(result)
 
-    print(f"\n{PROMPTS} prompts x {COMPLETIONS} completions x {NEW_TOKENS} tokens per update, {options.updates} updates"
+    shape = (SMOLLM2["prompts"], SMOLLM2["completions"], SMOLLM2["new_tokens"]) if smollm2 else (PROMPTS, COMPLETIONS,
+                                                                                                 NEW_TOKENS)
+    print(f"\n{options.task}: {shape[0]} prompts x {shape[1]} completions x {shape[2]} tokens per update, {options.updates} updates"
           f" per run (the last {options.updates - 2} timed), {options.rounds} round(s), {torch.get_num_threads()} threads")
     header = (f"{'':22}{'eps min':>9}{'median':>9}{'x TRL':>7}   {'gen':>6}{'wait':>6}{'score':>6}{'train':>6}"
               f"{'sync':>6}   {'train GFLOP/s':>13}{'of peak':>8}")
@@ -276,7 +350,7 @@ def main():
                          f"{phase['training']:6.3f}{phase['weight_sync']:6.3f}"
                          f"   {phase['train_flops'] / 1e9:13.1f}{phase['train_flops'] / peaks[precision]:8.0%}")
             print(line)
-    for precision in options.precision:
+    for precision in options.precision if generation[options.precision[0]] else []:
         seconds = {name: statistics.median(g[name] for g in generation[precision]) for name in generation[precision][0]}
         print(f"\n{precision} generation of one batch, {BATCH} x {NEW_TOKENS} tokens (median of best-of-5): "
               + ", ".join(f"{name} {value:.3f} s" for name, value in seconds.items()))

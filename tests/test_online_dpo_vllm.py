@@ -192,7 +192,8 @@ model = GPTNeoXForCausalLM(GPTNeoXConfig(vocab_size=len(tokenizer), hidden_size=
                                          num_hidden_layers=4, num_attention_heads=8, max_position_embeddings=128))
 model.save_pretrained(sys.argv[1])  # 50 MB: more than sockets buffer, so the broadcast waits for vLLM
 tokenizer.save_pretrained(sys.argv[1])
-args = script.Args(bf16=False, response_length=12, batch_size=8, vllm_enforce_eager=True, generation_timeout=5)
+args = script.Args(bf16=False, response_length=12, batch_size=8, vllm_enforce_eager=True,
+                   generation_timeout=5 if sys.argv[3] == "stop" else 60)
 args.world_size = 1
 llm = script.start_vllm(args, sys.argv[1], weight_transfer=True)
 atexit.register(llm.llm_engine.engine_core.shutdown)  # as the scripts' generator.close
@@ -208,15 +209,22 @@ class StoppingWeights(script.PolicyWeights):  # vLLM's worker stops once the pus
             yield item
 
 
-transfer.source = StoppingWeights(model)
+if sys.argv[3] == "stop":
+    transfer.source = StoppingWeights(model)
+else:  # vLLM's worker may not take more memory than it has now: it cannot allocate its receive buffer (50 MB)
+    limit = worker.memory_info().vms + 16 * 2**20
+    worker.rlimit(psutil.RLIMIT_AS, (limit, limit))
 print("pushing", flush=True)
 script.hand_over_weights(model, 1, transfer=transfer, generator=None, weights_dir=None)
 print("the push returned")
 """
 
 
-def test_a_hand_off_stuck_in_the_broadcast_ends_with_one_line_naming_the_step(tmp_path):
-    process = subprocess.Popen([sys.executable, "-c", HUNG_PUSH, str(tmp_path / "model"), os.path.join(TINY, "sft")],
+def _hung_push(tmp_path, how):
+    """Runs HUNG_PUSH; returns its return code, stdout, stderr's "error:" lines, the seconds from the push to its end,
+    and its processes still alive after it."""
+    process = subprocess.Popen([sys.executable, "-c", HUNG_PUSH, str(tmp_path / "model"), os.path.join(TINY, "sft"),
+                                how],
                                cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                env={**os.environ, "PYTHONPATH": ROOT}, start_new_session=True)
     family, pushing = [], None
@@ -235,11 +243,26 @@ def test_a_hand_off_stuck_in_the_broadcast_ends_with_one_line_naming_the_step(tm
             with contextlib.suppress(psutil.NoSuchProcess):
                 p.kill()
         os.killpg(process.pid, signal.SIGKILL) if process.poll() is None else None
-    errors = [line for line in stderr.splitlines() if line.startswith("error:")]
+    return process.returncode, stdout, [line for line in stderr.splitlines() if line.startswith("error:")], took, alive
+
+
+def test_a_hand_off_stuck_in_the_broadcast_ends_with_one_line_naming_the_step(tmp_path):
+    returncode, stdout, errors, took, alive = _hung_push(tmp_path, "stop")
     # update_weights, the worker's receiving end, is the call in flight; it times out at 5 s, then the watchdog
     # gives the stuck broadcast 5 s more to end on its own
-    assert errors == ["error: weight hand-off: update_weights took more than 5 s (--generation-timeout)"], stderr[-3000:]
-    assert process.returncode == 1 and "the push returned" not in stdout and 9 < took < 30, (process.returncode, took)
+    assert errors == ["error: weight hand-off: update_weights took more than 5 s (--generation-timeout)"]
+    assert returncode == 1 and "the push returned" not in stdout and 9 < took < 30, (returncode, took)
+    assert not alive, [(p.pid, p.name()) for p in alive]
+
+
+def test_a_hand_off_that_vllms_worker_fails_ends_within_seconds_naming_the_cause(tmp_path):
+    """vLLM's worker raises in update_weights (out of memory for its receive buffer) and leaves the learner alone in
+    the broadcast: the failure is recorded as it happens, and the watchdog ends the run 5 s later, naming it."""
+    returncode, stdout, errors, took, alive = _hung_push(tmp_path, "out of memory")
+    assert len(errors) == 1 and errors[0].startswith("error: weight hand-off: update_weights failed in vLLM: "), errors
+    assert "memory" in errors[0], errors
+    # (before the failure was recorded: --generation-timeout, 60 s here, and 5 s more)
+    assert returncode == 1 and "the push returned" not in stdout and took < 15, (returncode, took)
     assert not alive, [(p.pid, p.name()) for p in alive]
 
 

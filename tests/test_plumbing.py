@@ -5,7 +5,9 @@ GPU and memory share, the weight hand-off's memory, bf16 and the DeepSpeed confi
 is in test_online_dpo_vllm.py, the gold model's other tokenizer in test_evaluate.py; what no CPU can check
 is in benchmark/gpu_smoke.sh.)"""
 
+import dataclasses
 import glob
+import importlib
 import importlib.util
 import json
 import math
@@ -13,6 +15,7 @@ import os
 import re
 import socket
 import sys
+import types
 
 import deepspeed
 import pytest
@@ -313,13 +316,144 @@ def _load_fresh(path, name):
     return module
 
 
-@pytest.mark.parametrize("bf16_supported", [True, False])
-def test_bf16_is_the_default_only_on_a_gpu_that_supports_it(monkeypatch, bf16_supported):
+SCRIPTS = ("rloo", "online_dpo", "bok", "ppo", "rloo_vllm", "online_dpo_vllm", "ppo_vllm", "bok_vllm", "evaluate")
+
+
+@pytest.mark.parametrize("gpu", ["native", "emulated", "none"])
+def test_bf16_is_the_default_only_on_a_gpu_that_has_it_natively(monkeypatch, capsys, gpu):
+    """torch.cuda.is_bf16_supported() is True by emulation before compute capability 8.0 (T4, V100), where vLLM
+    refuses bfloat16 and training crawls: the default and the guard of every script count native support only."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: bf16_supported)
-    for name in ("rloo", "online_dpo", "bok", "ppo", "online_dpo_vllm", "evaluate"):
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported",
+                        lambda including_emulation=True: gpu == "native" or (gpu == "emulated" and including_emulation))
+    for name in SCRIPTS:
         module = _load_fresh(os.path.join(ROOT, f"{name}.py"), f"fresh_{name}")
-        assert module.Args().bf16 is bf16_supported, name
+        assert module.Args().bf16 is (gpu == "native"), name
+        if gpu == "emulated":  # asked for anyway: one line naming the argument, before anything loads
+            args = module.Args(bf16=True, checkpoints=os.path.join(TINY, "sft")) if name == "evaluate" else module.Args(bf16=True)
+            args.world_size = 1
+            with pytest.raises(SystemExit) as exit:
+                module.validate(args)
+            assert exit.value.code == 2 and capsys.readouterr().err.startswith("error: --bf16: this GPU has no native")
+
+
+class FakeNvml:
+    """NVML as a machine with NVIDIA GPUs shows it (the real one needs a driver)."""
+
+    def __init__(self, gpus, driver="550.54.15"):
+        self.gpus, self.driver = gpus, driver
+
+    def nvmlInit(self):
+        pass
+
+    def nvmlDeviceGetCount(self):
+        return self.gpus
+
+    def nvmlSystemGetDriverVersion(self):
+        return self.driver
+
+
+@pytest.mark.parametrize("gpus", [2, 0])
+def test_a_cuda_torch_that_cannot_use_the_machines_gpus_stops_every_script(monkeypatch, capsys, gpus):
+    """A CUDA 13 torch (the registry's, which vLLM 0.32 needs) under an R550 driver: CUDA is unavailable and the
+    scripts would train on the CPU without a word. With GPUs that NVML sees, every script stops first, in one line."""
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setitem(sys.modules, "pynvml", FakeNvml(gpus))
+    for name in SCRIPTS:
+        module = importlib.import_module(name)
+        if not gpus:  # no NVIDIA GPU: a CPU machine with a CUDA build of torch runs on the CPU, as asked
+            module.check_gpu_driver()
+            continue
+        with pytest.raises(SystemExit) as exit:
+            module.validate(module.Args())
+        error = capsys.readouterr().err
+        assert exit.value.code == 2 and error.count("\n") == 1, (name, error)
+        assert error.startswith("error: this torch is a CUDA 13.0 build, which needs NVIDIA driver R580 or newer; this "
+                                "machine's 2 GPU(s) have driver 550.54.15"), error
+
+
+class RecordedLLM:
+    """vllm.LLM as start_vllm builds it on a GPU: the engine's arguments and the environment it starts in."""
+
+    def __init__(self, **engine_args):
+        self.engine_args, self.environ = engine_args, dict(os.environ)
+
+
+@pytest.mark.parametrize("gpus", [1, 2], ids=["shared-ipc", "own-nccl"])
+def test_vllm_on_a_gpu_starts_with_what_its_weight_hand_off_needs(tmp_path, monkeypatch, gpus):
+    """start_vllm's GPU branch (vLLM's engine recorded, not started). On a GPU it shares with the learner (one GPU)
+    vLLM takes CUDA IPC, whose update payload carries torch classes that vLLM's RPC pickles only with
+    VLLM_ALLOW_INSECURE_SERIALIZATION=1, set in the engine's environment at start and kept for the run's life;
+    vLLM's share is chosen from free memory read after the learner's allocator gave back its cached blocks."""
+    calls = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append("empty_cache"))
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda index: calls.append(("mem_get_info", index)) or
+                        (40 * 2**30, 80 * 2**30))
+    monkeypatch.setitem(sys.modules, "pynvml", FakeNvml(gpus))
+    monkeypatch.setattr(importlib.import_module("vllm"), "LLM", RecordedLLM)
+    for name in ("CUDA_VISIBLE_DEVICES", "LOCAL_SIZE", "LOCAL_WORLD_SIZE", "VLLM_ALLOW_INSECURE_SERIALIZATION"):
+        monkeypatch.delenv(name, raising=False)
+    llm = online_dpo_vllm.start_vllm(online_dpo_vllm.Args(bf16=True), os.path.join(TINY, "sft"), weight_transfer=True)
+    backend = llm.engine_args["weight_transfer_config"]["backend"]
+    assert llm.engine_args["dtype"] == "bfloat16"
+    assert "CUDA_VISIBLE_DEVICES" not in os.environ  # restored: only the engine's processes see it
+    if gpus == 1:
+        assert backend == "ipc" and llm.environ["CUDA_VISIBLE_DEVICES"] == "0"
+        assert calls == ["empty_cache", ("mem_get_info", 0)] and llm.engine_args["gpu_memory_utilization"] == 0.25
+        assert llm.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] == os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] == "1"
+    else:
+        assert backend == "nccl" and llm.environ["CUDA_VISIBLE_DEVICES"] == "1"
+        assert calls == [] and llm.engine_args["gpu_memory_utilization"] == 0.9
+        assert "VLLM_ALLOW_INSECURE_SERIALIZATION" not in llm.environ  # NCCL's payload is names, dtypes, shapes
+
+
+def test_vllms_rpc_carries_a_cuda_ipc_update_only_as_the_scripts_set_it_up(monkeypatch):
+    """The CUDA IPC hand-off's update, as vLLM's IPC trainer engine builds it (the handle's arguments are those of
+    torch's reduce_tensor for a CUDA tensor: tensor and storage classes, a dtype), through vLLM's own RPC encoder and
+    decoder: refused without the setting, carried unchanged with it."""
+    from vllm import envs
+    from vllm.distributed.weight_transfer.ipc_engine import IPCWeightTransferUpdateInfo
+    from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
+
+    handle = (torch.Tensor, torch.Size([8, 4]), (4, 1), 0, torch.UntypedStorage, torch.bfloat16, 0, b"\x01" * 64,
+              2**28, 0, False, b"\x02" * 16, 0, b"\x03" * 64, True)
+    update = dataclasses.asdict(IPCWeightTransferUpdateInfo(
+        names=["model.embed_tokens.weight"], dtype_names=["bfloat16"], shapes=[[8, 4]],
+        ipc_handles={"GPU-0000": handle}, tensor_sizes=[64]))
+    request = ("update_weights", ({"update_info": update},))
+    envs.disable_envs_cache()  # read afresh, as in the scripts' process
+    monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "0")
+    with pytest.raises(TypeError, match="not serializable"):
+        MsgpackEncoder().encode(request)
+    online_dpo_vllm.allow_pickled_rpc(os.environ)
+    (decoded,) = MsgpackDecoder().decode(MsgpackEncoder().encode(request))[1]
+    carried = decoded["update_info"]["ipc_handles"]["GPU-0000"]  # msgpack carries tuples as lists
+    assert carried == [list(item) if isinstance(item, tuple) else item for item in handle]
+    assert carried[0] is torch.Tensor and carried[4] is torch.UntypedStorage and carried[5] is torch.bfloat16
+
+
+def test_the_hand_offs_packing_buffers_fit_the_largest_parameter_and_are_bounded(monkeypatch):
+    """vLLM's CUDA IPC packer refuses a tensor larger than its buffer (1 GiB by default; Qwen2.5-7B's embedding in bf16
+    is 1.04 GiB), and the NCCL engines keep two buffers on each side outside vLLM's memory share. The scripts give
+    both engines 256 MiB buffers, or the largest parameter's size. (Parameters on the meta device: no memory.)"""
+    small = torch.nn.Linear(64, 64, device="meta")
+    large = torch.nn.Sequential(torch.nn.Embedding(152064, 3584, device="meta", dtype=torch.bfloat16), small)
+    assert online_dpo_vllm.packed_buffer_bytes(online_dpo_vllm.PolicyWeights(small).metadata()) == 256 * 2**20
+    assert online_dpo_vllm.packed_buffer_bytes(online_dpo_vllm.PolicyWeights(large).metadata()) == 152064 * 3584 * 2
+    from vllm.distributed.weight_transfer import ipc_engine, nccl_engine
+
+    given = {}
+    for backend, engine in (("ipc", ipc_engine.IPCTrainerWeightTransferEngine),
+                            ("nccl", nccl_engine.NCCLTrainerWeightTransferEngine)):
+        monkeypatch.setattr(engine, "trainer_init", classmethod(lambda cls, info, **kw: given.setdefault(backend, info)))
+        config = types.SimpleNamespace(weight_transfer_config=types.SimpleNamespace(backend=backend))
+        llm = types.SimpleNamespace(llm_engine=types.SimpleNamespace(vllm_config=config))
+        args = online_dpo_vllm.Args()
+        args.world_size = 1
+        online_dpo_vllm.weight_transfer(args, llm, large, rank=0)
+        assert given[backend].packed and given[backend].packed_buffer_size_bytes == 152064 * 3584 * 2, backend
 
 
 @pytest.mark.parametrize("config_file", sorted(glob.glob(os.path.join(ROOT, "ds_configs", "*.json"))),
