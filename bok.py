@@ -35,6 +35,7 @@ import deepspeed
 import torch.distributed as dist
 import tyro
 from datasets import load_dataset
+from datasets.exceptions import DatasetGenerationError
 from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
 from deepspeed.runtime.zero.stage3 import unwrap_model_for_generation
@@ -132,6 +133,174 @@ class Args:
     """(set at run time) number of generation batches"""
 
 
+# ===========================================================================================================
+# The algorithm: the only functions that differ between the algorithm scripts. To try a new loss,
+# change these and steps 3-4 of the loop in main(), which follows them.
+# ===========================================================================================================
+
+def select_best(scores, k):
+    """Index of the highest-scoring response to each prompt (the first of equal scores), and whether it
+    scores above the prompt's lowest.
+
+    `scores` holds k blocks of the same prompts: index j * num_prompts + i is sample j of prompt i. A prompt
+    whose k scores are all equal has no best response (with a 0/1 rule reward: all wrong, or all right) and
+    is left out of the loss, as online DPO's pair of equal scores adds no gradient; else, on the math task,
+    best-of-k fine-tunes on wrong answers to the prompts it cannot yet solve and its accuracy falls."""
+    scores = scores.view(k, -1)
+    num_prompts = scores.shape[1]
+    best = scores.argmax(0) * num_prompts + torch.arange(num_prompts, device=scores.device)
+    return best, scores.amax(0) > scores.amin(0)
+
+
+def sft_loss(logprobs, padding_mask):
+    """Negative log-likelihood per response token, averaged over the tokens of the micro-batch
+    (as supervised fine-tuning averages it); the stop token counts, padding does not."""
+    return -masked_mean(logprobs, ~padding_mask)
+
+
+def main(args):
+    """The run: set-up (distributed, data, models and their DeepSpeed engines, the run directory), then the loop,
+    whose numbered steps are the algorithm."""
+    args.world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    validate(args)
+    rank, device = set_up_distributed(args)
+    prompts_per_rank = args.local_batch_size // args.k
+    tokenizer, stop_id, train_prompts, eval_prompts, train_answers, eval_answers = load_data(args, prompts_per_rank)
+    run_name, run_dir = run_directory(args)
+
+    # Models and DeepSpeed engines: the policy trains; the reference and reward models only run forward.
+    policy = training_engine(args, load_model(args, args.sft_model_path))
+    ref_policy = frozen_engine(args, load_model(args, args.sft_model_path))
+    reward_model = frozen_engine(args, load_model(args, args.reward_model_path, reward=True))
+    gold_model = frozen_engine(args, load_model(args, args.gold_reward_model_path, reward=True))
+
+    start_update, episode = 0, 0
+    if args.resume:
+        start_update, episode = load_checkpoint(latest_checkpoint(args.resume), {"policy": policy})
+
+    run_log = RunLog(args, run_dir, run_name, start_update)  # metrics.jsonl (rank 0), wandb with --track
+    if rank == 0:
+        print(f"run {run_dir}: {args.num_updates} updates of {args.batch_size} responses "
+              f"({args.batch_size // args.k} prompts x {args.k})", flush=True)
+
+    pad = tokenizer.pad_token_id
+    progress = tqdm(total=args.num_updates * args.batch_size, initial=episode, unit="ep", disable=rank != 0)
+    if not args.resume:  # the curves start from the SFT policy
+        eval_metrics, samples = evaluate(args, policy, reward_model, gold_model, eval_prompts, eval_answers, tokenizer,
+                                         stop_id, device)
+        run_log.log(0, {**eval_metrics, "episode": 0}, samples)
+    start_time, start_episode = time.time(), episode
+    for update in range(start_update + 1, args.num_updates + 1):
+        # 1. Generate k responses per prompt with the current policy.
+        t0 = time.time()
+        indices = prompt_batch(len(train_prompts), prompts_per_rank, update - 1, args.seed, rank, args.world_size)
+        queries = left_pad([train_prompts[i] for i in indices], pad, device).repeat(args.k, 1)
+        answers = [train_answers[i] for i in indices] * args.k  # the k blocks of queries
+        context_length = queries.shape[1]
+        with unwrapped_for_generation(policy) as model:
+            responses = generate(model, queries, pad, stop_id, args.response_length, args.temperature)
+        responses = truncate_response(responses, stop_id, pad)
+        query_responses = torch.cat([queries, responses], 1)
+        padding_mask = responses == pad  # everything after the response
+        t1 = time.time()
+
+        # 2. Score: log-probabilities under the policy and the reference, reward-model scores.
+        logprobs, ref_logprobs, scores = [], [], []
+        with torch.no_grad():
+            for i in range(0, len(query_responses), args.per_device_train_batch_size):
+                chunk = query_responses[i: i + args.per_device_train_batch_size]
+                chunk_responses = chunk[:, context_length:]
+                logprobs.append(response_logprobs(forward(policy, chunk, pad).logits, chunk_responses,
+                                                  context_length, args.temperature))
+                ref_logprobs.append(response_logprobs(forward(ref_policy, chunk, pad).logits, chunk_responses,
+                                                      context_length, args.temperature))
+                scores.append(score_responses(args, reward_model, chunk, context_length,
+                                              answers[i: i + args.per_device_train_batch_size], tokenizer))
+        logprobs = torch.cat(logprobs).masked_fill(padding_mask, 0.0)
+        ref_logprobs = torch.cat(ref_logprobs).masked_fill(padding_mask, 0.0)
+        raw_scores = torch.cat(scores)
+        scores = apply_missing_eos_penalty(raw_scores, responses, stop_id, args.missing_eos_penalty,
+                                           args.missing_eos_mode)
+
+        # 3. The best response to each prompt.
+        best, has_best = select_best(scores, args.k)
+        kl = (logprobs - ref_logprobs).sum(1)
+        t2 = time.time()
+
+        # 4. Negative log-likelihood of the best responses, over mini-batches of the prompts;
+        # each micro-batch holds whole prompts.
+        stats = {name: [] for name in ("loss", "logps", "entropy")}
+        num_prompts = args.local_batch_size // args.k
+        mini_batch_prompts = num_prompts // args.num_mini_batches
+        micro_batch_prompts = args.per_device_train_batch_size // args.k
+        for _ in range(args.num_ppo_epochs):
+            order = torch.randperm(num_prompts, device=device)
+            for mb_start in range(0, num_prompts, mini_batch_prompts):
+                for mc_start in range(mb_start, mb_start + mini_batch_prompts, micro_batch_prompts):
+                    prompts = order[mc_start: mc_start + micro_batch_prompts]
+                    idx = best[prompts]
+                    logits = forward(policy, query_responses[idx], pad).logits
+                    new_logprobs = response_logprobs(logits, responses[idx], context_length, args.temperature)
+                    new_logprobs = new_logprobs.masked_fill(padding_mask[idx], 0.0)
+                    loss = sft_loss(new_logprobs, padding_mask[idx] | ~has_best[prompts, None])
+                    policy.backward(loss)
+                    policy.step()
+                    with torch.no_grad():
+                        entropy = entropy_from_logits(logits[:, context_length - 1: -1] / args.temperature)
+                        stats["loss"].append(loss)
+                        stats["logps"].append(new_logprobs.sum(1).mean())
+                        stats["entropy"].append(masked_mean(entropy, ~padding_mask[idx]))
+        t3 = time.time()
+
+        # 5. Log, evaluate, save.
+        episode += args.batch_size
+        progress.update(args.batch_size)
+        step_means = {name: torch.stack(per_step).mean().item() for name, per_step in stats.items()}
+        metrics = mean_over_ranks({
+            "objective/scores": scores.mean().item(),
+            "objective/raw_scores": raw_scores.mean().item(),
+            "objective/scores_best": scores[best].mean().item(),
+            "objective/prompts_with_best": has_best.float().mean().item(),
+            "objective/kl": kl.mean().item(),
+            "objective/entropy": (-logprobs).sum(1).mean().item(),
+            "policy/entropy_avg": step_means["entropy"],
+            "loss/policy_avg": step_means["loss"],
+            "logps/chosen": step_means["logps"],
+            "val/num_eos_tokens": (responses == stop_id).sum().item() * args.world_size,
+            "val/response_length": (~padding_mask).sum(1).float().mean().item(),
+            "time/generation": t1 - t0,
+            "time/scoring": t2 - t1,
+            "time/training": t3 - t2,
+        }, device)
+        metrics.update({"lr": policy.get_lr()[0], "episode": episode,
+                        "time/episodes_per_second": (episode - start_episode) / (time.time() - start_time)})
+        samples = None
+        if (args.eval_every and update % args.eval_every == 0) or update == args.num_updates:
+            eval_metrics, samples = evaluate(args, policy, reward_model, gold_model, eval_prompts, eval_answers, tokenizer,
+                                             stop_id, device)
+            metrics.update(eval_metrics)
+            if rank == 0:
+                tqdm.write(f"update {update}: " + ", ".join(f"{k} {v:.3f}" for k, v in eval_metrics.items()))
+                for query, response, score in samples[:2]:
+                    tqdm.write(f"  {query!r} -> {response!r} (score {score})")
+        run_log.log(update, metrics, samples)
+        progress.set_postfix(score=f"{metrics['objective/scores']:.3f}", kl=f"{metrics['objective/kl']:.2f}",
+                             eps=f"{metrics['time/episodes_per_second']:.0f}")
+        if (args.save_every and update % args.save_every == 0) or update == args.num_updates:
+            save_checkpoint(args, run_dir, update, episode, {"policy": policy})
+
+    progress.close()
+    run_log.close()
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+# ===========================================================================================================
+# Appendix: argument checks (validate, each script's own), then the plumbing, identical in every script that has
+# it (tests/test_shared_helpers.py keeps the copies equal): data, generation, scoring, evaluation, checkpoints,
+# distributed and run set-up. Change one, change all.
+# ===========================================================================================================
+
 def validate(args):
     """Check the arguments before any model is loaded; fill in the derived batch sizes."""
     check_gpu_driver()
@@ -170,36 +339,6 @@ def validate(args):
         fail("response_length", f"max_prompt_length + response_length = {args.max_prompt_length + args.response_length}"
                                 f" exceeds the model's {positions} positions")
 
-
-# ===========================================================================================================
-# The algorithm: the only functions that differ between the algorithm scripts. To try a new loss,
-# change these and steps 3-4 of the loop in the main block.
-# ===========================================================================================================
-
-def select_best(scores, k):
-    """Index of the highest-scoring response to each prompt (the first of equal scores), and whether it
-    scores above the prompt's lowest.
-
-    `scores` holds k blocks of the same prompts: index j * num_prompts + i is sample j of prompt i. A prompt
-    whose k scores are all equal has no best response (with a 0/1 rule reward: all wrong, or all right) and
-    is left out of the loss, as online DPO's pair of equal scores adds no gradient; else, on the math task,
-    best-of-k fine-tunes on wrong answers to the prompts it cannot yet solve and its accuracy falls."""
-    scores = scores.view(k, -1)
-    num_prompts = scores.shape[1]
-    best = scores.argmax(0) * num_prompts + torch.arange(num_prompts, device=scores.device)
-    return best, scores.amax(0) > scores.amin(0)
-
-
-def sft_loss(logprobs, padding_mask):
-    """Negative log-likelihood per response token, averaged over the tokens of the micro-batch
-    (as supervised fine-tuning averages it); the stop token counts, padding does not."""
-    return -masked_mean(logprobs, ~padding_mask)
-
-
-# ===========================================================================================================
-# Plumbing, identical in every script that has it (tests/test_shared_helpers.py keeps the copies equal):
-# data, generation, scoring, evaluation, checkpoints, distributed and run set-up. Change one, change all.
-# ===========================================================================================================
 
 def fail(argument, message):
     """Bad input: one line on stderr naming the argument, exit code 2."""
@@ -328,17 +467,28 @@ def check_resume(args):
                            "a resumed run must keep it")
 
 
+def read_dataset(args):
+    """--dataset-name through datasets' load_dataset (a directory of JSON lines or parquet files, or a hub id). Every
+    way it can fail is bad input: one line naming the argument, exit code 2."""
+    if not os.path.exists(args.dataset_name) and args.dataset_name.count("/") != 1:
+        fail("dataset_name", f"no such directory: {args.dataset_name}")
+    try:
+        return load_dataset(args.dataset_name)
+    except StopIteration:  # what datasets' JSON loader raises on an empty file
+        files = sorted(os.listdir(args.dataset_name)) if os.path.isdir(args.dataset_name) else []
+        empty = [f for f in files if os.path.getsize(os.path.join(args.dataset_name, f)) == 0]
+        fail("dataset_name", f"cannot load {args.dataset_name}: {', '.join(empty) or 'a data file'} is empty")
+    except (OSError, ValueError, DatasetGenerationError) as error:  # unreadable, a line that is not JSON, ...
+        cause = str(error.__cause__ or error).strip() or type(error).__name__
+        fail("dataset_name", f"cannot load {args.dataset_name}: {cause.splitlines()[0]}")
+
+
 def load_prompts(args, tokenizer):
     """Tokenised prompts of the train and eval splits (lists of token-id lists) and, with --rule-reward, their
     answers (else Nones). A prompt is the `query` column's text, or the `messages` column's chat rendered with
     the tokenizer's chat template and the generation prompt (a last assistant turn, the reference reply, is
     left out, as in No Robots)."""
-    if not os.path.exists(args.dataset_name) and args.dataset_name.count("/") != 1:
-        fail("dataset_name", f"no such directory: {args.dataset_name}")
-    try:
-        dataset = load_dataset(args.dataset_name)
-    except (OSError, ValueError) as error:  # an unreadable file, an empty split, ...
-        fail("dataset_name", f"cannot load {args.dataset_name}: {str(error).splitlines()[0]}")
+    dataset = read_dataset(args)
     prompts, answers = {}, {}
     for argument in ("dataset_train_split", "dataset_eval_split"):
         split = getattr(args, argument)
@@ -747,11 +897,11 @@ def load_model(args, path, reward=False):
     token that load_tokenizer may add is never read by a model."""
     if path is None:
         return None
-    load = dict(dtype=torch.bfloat16 if args.bf16 else torch.float32, trust_remote_code=args.trust_remote_code)
+    dtype_and_code = dict(dtype=torch.bfloat16 if args.bf16 else torch.float32, trust_remote_code=args.trust_remote_code)
     if reward:
-        model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, **load)
+        model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, **dtype_and_code)
     else:
-        model = AutoModelForCausalLM.from_pretrained(path, **load)
+        model = AutoModelForCausalLM.from_pretrained(path, **dtype_and_code)
     disable_dropout(model)
     return model
 
@@ -822,136 +972,4 @@ def disable_dropout(model):
 
 
 if __name__ == "__main__":
-    args = tyro.cli(Args)
-    args.world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    validate(args)
-    rank, device = set_up_distributed(args)
-    prompts_per_rank = args.local_batch_size // args.k
-    tokenizer, stop_id, train_prompts, eval_prompts, train_answers, eval_answers = load_data(args, prompts_per_rank)
-    run_name, run_dir = run_directory(args)
-
-    # Models and DeepSpeed engines: the policy trains; the reference and reward models only run forward.
-    policy = training_engine(args, load_model(args, args.sft_model_path))
-    ref_policy = frozen_engine(args, load_model(args, args.sft_model_path))
-    reward_model = frozen_engine(args, load_model(args, args.reward_model_path, reward=True))
-    gold_model = frozen_engine(args, load_model(args, args.gold_reward_model_path, reward=True))
-
-    start_update, episode = 0, 0
-    if args.resume:
-        start_update, episode = load_checkpoint(latest_checkpoint(args.resume), {"policy": policy})
-
-    run_log = RunLog(args, run_dir, run_name, start_update)  # metrics.jsonl (rank 0), wandb with --track
-    if rank == 0:
-        print(f"run {run_dir}: {args.num_updates} updates of {args.batch_size} responses "
-              f"({args.batch_size // args.k} prompts x {args.k})", flush=True)
-
-    pad = tokenizer.pad_token_id
-    progress = tqdm(total=args.num_updates * args.batch_size, initial=episode, unit="ep", disable=rank != 0)
-    if not args.resume:  # the curves start from the SFT policy
-        eval_metrics, samples = evaluate(args, policy, reward_model, gold_model, eval_prompts, eval_answers, tokenizer,
-                                         stop_id, device)
-        run_log.log(0, {**eval_metrics, "episode": 0}, samples)
-    start_time, start_episode = time.time(), episode
-    for update in range(start_update + 1, args.num_updates + 1):
-        # 1. Generate k responses per prompt with the current policy.
-        t0 = time.time()
-        indices = prompt_batch(len(train_prompts), prompts_per_rank, update - 1, args.seed, rank, args.world_size)
-        queries = left_pad([train_prompts[i] for i in indices], pad, device).repeat(args.k, 1)
-        answers = [train_answers[i] for i in indices] * args.k  # the k blocks of queries
-        context_length = queries.shape[1]
-        with unwrapped_for_generation(policy) as model:
-            responses = generate(model, queries, pad, stop_id, args.response_length, args.temperature)
-        responses = truncate_response(responses, stop_id, pad)
-        query_responses = torch.cat([queries, responses], 1)
-        padding_mask = responses == pad  # everything after the response
-        t1 = time.time()
-
-        # 2. Score: log-probabilities under the policy and the reference, reward-model scores.
-        logprobs, ref_logprobs, scores = [], [], []
-        with torch.no_grad():
-            for i in range(0, len(query_responses), args.per_device_train_batch_size):
-                chunk = query_responses[i: i + args.per_device_train_batch_size]
-                chunk_responses = chunk[:, context_length:]
-                logprobs.append(response_logprobs(forward(policy, chunk, pad).logits, chunk_responses,
-                                                  context_length, args.temperature))
-                ref_logprobs.append(response_logprobs(forward(ref_policy, chunk, pad).logits, chunk_responses,
-                                                      context_length, args.temperature))
-                scores.append(score_responses(args, reward_model, chunk, context_length,
-                                              answers[i: i + args.per_device_train_batch_size], tokenizer))
-        logprobs = torch.cat(logprobs).masked_fill(padding_mask, 0.0)
-        ref_logprobs = torch.cat(ref_logprobs).masked_fill(padding_mask, 0.0)
-        raw_scores = torch.cat(scores)
-        scores = apply_missing_eos_penalty(raw_scores, responses, stop_id, args.missing_eos_penalty,
-                                           args.missing_eos_mode)
-
-        # 3. The best response to each prompt.
-        best, has_best = select_best(scores, args.k)
-        kl = (logprobs - ref_logprobs).sum(1)
-        t2 = time.time()
-
-        # 4. Negative log-likelihood of the best responses, over mini-batches of the prompts;
-        # each micro-batch holds whole prompts.
-        stats = {name: [] for name in ("loss", "logps", "entropy")}
-        num_prompts = args.local_batch_size // args.k
-        mini_batch_prompts = num_prompts // args.num_mini_batches
-        micro_batch_prompts = args.per_device_train_batch_size // args.k
-        for _ in range(args.num_ppo_epochs):
-            order = torch.randperm(num_prompts, device=device)
-            for mb_start in range(0, num_prompts, mini_batch_prompts):
-                for mc_start in range(mb_start, mb_start + mini_batch_prompts, micro_batch_prompts):
-                    prompts = order[mc_start: mc_start + micro_batch_prompts]
-                    idx = best[prompts]
-                    logits = forward(policy, query_responses[idx], pad).logits
-                    new_logprobs = response_logprobs(logits, responses[idx], context_length, args.temperature)
-                    new_logprobs = new_logprobs.masked_fill(padding_mask[idx], 0.0)
-                    loss = sft_loss(new_logprobs, padding_mask[idx] | ~has_best[prompts, None])
-                    policy.backward(loss)
-                    policy.step()
-                    with torch.no_grad():
-                        entropy = entropy_from_logits(logits[:, context_length - 1: -1] / args.temperature)
-                        stats["loss"].append(loss)
-                        stats["logps"].append(new_logprobs.sum(1).mean())
-                        stats["entropy"].append(masked_mean(entropy, ~padding_mask[idx]))
-        t3 = time.time()
-
-        # 5. Log, evaluate, save.
-        episode += args.batch_size
-        progress.update(args.batch_size)
-        mean = {name: torch.stack(per_step).mean().item() for name, per_step in stats.items()}
-        metrics = mean_over_ranks({
-            "objective/scores": scores.mean().item(),
-            "objective/raw_scores": raw_scores.mean().item(),
-            "objective/scores_best": scores[best].mean().item(),
-            "objective/prompts_with_best": has_best.float().mean().item(),
-            "objective/kl": kl.mean().item(),
-            "objective/entropy": (-logprobs).sum(1).mean().item(),
-            "policy/entropy_avg": mean["entropy"],
-            "loss/policy_avg": mean["loss"],
-            "logps/chosen": mean["logps"],
-            "val/num_eos_tokens": (responses == stop_id).sum().item() * args.world_size,
-            "val/response_length": (~padding_mask).sum(1).float().mean().item(),
-            "time/generation": t1 - t0,
-            "time/scoring": t2 - t1,
-            "time/training": t3 - t2,
-        }, device)
-        metrics.update({"lr": policy.get_lr()[0], "episode": episode,
-                        "time/episodes_per_second": (episode - start_episode) / (time.time() - start_time)})
-        samples = None
-        if (args.eval_every and update % args.eval_every == 0) or update == args.num_updates:
-            eval_metrics, samples = evaluate(args, policy, reward_model, gold_model, eval_prompts, eval_answers, tokenizer,
-                                             stop_id, device)
-            metrics.update(eval_metrics)
-            if rank == 0:
-                tqdm.write(f"update {update}: " + ", ".join(f"{k} {v:.3f}" for k, v in eval_metrics.items()))
-                for query, response, score in samples[:2]:
-                    tqdm.write(f"  {query!r} -> {response!r} (score {score})")
-        run_log.log(update, metrics, samples)
-        progress.set_postfix(score=f"{metrics['objective/scores']:.3f}", kl=f"{metrics['objective/kl']:.2f}",
-                             eps=f"{metrics['time/episodes_per_second']:.0f}")
-        if (args.save_every and update % args.save_every == 0) or update == args.num_updates:
-            save_checkpoint(args, run_dir, update, episode, {"policy": policy})
-
-    progress.close()
-    run_log.close()
-    dist.barrier()
-    dist.destroy_process_group()
+    main(tyro.cli(Args))

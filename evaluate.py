@@ -43,12 +43,19 @@ from typing import Optional
 import torch
 import tyro
 from datasets import load_dataset
+from datasets.exceptions import DatasetGenerationError
 from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification,
                           AutoTokenizer, StaticCache)
+
+# vLLM logs about a hundred INFO lines around a run's own (start-up, compilation, shutdown): warnings only unless the
+# user sets VLLM_LOGGING_LEVEL (INFO shows them). Read when vLLM is first imported; its engine's processes inherit it.
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
 
 @dataclass
 class Args:
+    """Every argument (vLLM logs warnings only: VLLM_LOGGING_LEVEL=INFO python ... shows its start-up lines)."""
+
     checkpoints: Optional[str] = None
     """a run directory (every checkpoint-<update> in it is evaluated) or one model directory or hub id"""
     sft_model_path: str = "assets/tiny/sft"
@@ -110,54 +117,6 @@ class Args:
     """(set at run time) responses per generation batch on all devices"""
 
 
-def validate(args):
-    """Check the arguments before any model is loaded."""
-    check_gpu_driver()
-    if args.checkpoints is None:
-        fail("checkpoints", "required: a run directory, a checkpoint or a model")
-    check_model_path("checkpoints", args.checkpoints)
-    for checkpoint in find_checkpoints(args.checkpoints):  # each loads as a policy (only a hub id is checked later)
-        check_model(SimpleNamespace(checkpoints=checkpoint, trust_remote_code=args.trust_remote_code), "checkpoints")
-    check_model(args, "sft_model_path")
-    if args.rule_reward is not None:
-        if args.rule_reward not in RULE_REWARDS:
-            fail("rule_reward", f"must be one of {sorted(RULE_REWARDS)}, got {args.rule_reward!r}")
-        args.gold_reward_model_path = None  # the rule scores; no model is loaded
-    elif args.gold_reward_model_path is None:
-        fail("gold_reward_model_path", "required: the win rate is measured with a gold reward model")
-    else:
-        check_model(args, "gold_reward_model_path", reward=True)
-    for name, value in asdict(args).items():
-        if isinstance(value, float) and not math.isfinite(value):
-            fail(name, f"must be a finite number, got {value}")
-    if not 0 <= args.seed < 2**31:  # the training scripts' range
-        fail("seed", f"must be in [0, 2**31), got {args.seed}")
-    if args.output is not None and (os.path.isdir(args.output)
-                                    or not os.path.isdir(os.path.dirname(os.path.abspath(args.output)))):
-        fail("output", f"must be a file in an existing directory, got {args.output}")  # found before, not after, the work
-    if args.temperature < 0:
-        fail("temperature", f"must be 0 (greedy) or more, got {args.temperature}")
-    if args.kl_temperature <= 0:
-        fail("kl_temperature", f"must be positive, got {args.kl_temperature}")
-    for name in ("response_length", "max_prompt_length", "per_device_eval_batch_size"):
-        if getattr(args, name) < 1:
-            fail(name, f"must be at least 1, got {getattr(args, name)}")
-    if args.num_eval_prompts < 0:
-        fail("num_eval_prompts", "must be 0 (all) or more")
-    if args.vllm_gpu_memory_utilization is not None and not 0 < args.vllm_gpu_memory_utilization <= 1:
-        fail("vllm_gpu_memory_utilization", f"must be in (0, 1], got {args.vllm_gpu_memory_utilization}")
-    if args.bf16 and torch.cuda.is_available() and not torch.cuda.is_bf16_supported(including_emulation=False):
-        fail("bf16", "this GPU has no native bfloat16 (compute capability 8.0 or later: A100, H100, L4, RTX 30xx); "
-                     "evaluate in float32 with --no-bf16")
-    if args.backend not in ("auto", "vllm", "hf"):
-        fail("backend", f"must be auto, vllm or hf, got {args.backend!r}")
-    has_vllm = importlib.util.find_spec("vllm") is not None
-    if args.backend == "vllm" and not has_vllm:
-        fail("backend", "vllm is not installed")
-    args.backend = "vllm" if args.backend == "auto" and has_vllm else "hf" if args.backend == "auto" else args.backend
-    args.batch_size = args.per_device_eval_batch_size
-
-
 # ===========================================================================================================
 # Evaluation's own functions: sampling, scoring and the paper's metrics.
 # ===========================================================================================================
@@ -174,17 +133,28 @@ def find_checkpoints(path):
     return [os.path.join(path, f"checkpoint-{update}") for update in updates]
 
 
+def read_dataset(args):
+    """--dataset-name through datasets' load_dataset (a directory of JSON lines or parquet files, or a hub id). Every
+    way it can fail is bad input: one line naming the argument, exit code 2."""
+    if not os.path.exists(args.dataset_name) and args.dataset_name.count("/") != 1:
+        fail("dataset_name", f"no such directory: {args.dataset_name}")
+    try:
+        return load_dataset(args.dataset_name)
+    except StopIteration:  # what datasets' JSON loader raises on an empty file
+        files = sorted(os.listdir(args.dataset_name)) if os.path.isdir(args.dataset_name) else []
+        empty = [f for f in files if os.path.getsize(os.path.join(args.dataset_name, f)) == 0]
+        fail("dataset_name", f"cannot load {args.dataset_name}: {', '.join(empty) or 'a data file'} is empty")
+    except (OSError, ValueError, DatasetGenerationError) as error:  # unreadable, a line that is not JSON, ...
+        cause = str(error.__cause__ or error).strip() or type(error).__name__
+        fail("dataset_name", f"cannot load {args.dataset_name}: {cause.splitlines()[0]}")
+
+
 def load_eval_data(args, tokenizer, stop_id):
     """Tokenised prompts of the eval split and, with --rule-reward, their answers, else the reference responses
     (with the stop token appended). A prompt is the `query` column's text, or the `messages` column's chat
     rendered as the training scripts render it; a chat's reference is its final assistant message unless the
     split has a --reference-column."""
-    if not os.path.exists(args.dataset_name) and args.dataset_name.count("/") != 1:
-        fail("dataset_name", f"no such directory: {args.dataset_name}")
-    try:
-        dataset = load_dataset(args.dataset_name)
-    except (OSError, ValueError) as error:  # an unreadable file, an empty split, ...
-        fail("dataset_name", f"cannot load {args.dataset_name}: {str(error).splitlines()[0]}")
+    dataset = read_dataset(args)
     if args.dataset_eval_split not in dataset:
         fail("dataset_eval_split", f"dataset {args.dataset_name} has no split {args.dataset_eval_split!r} "
                                    f"(it has {sorted(dataset)})")
@@ -302,10 +272,133 @@ def update_of(checkpoint):
         return json.load(f)["update"]
 
 
+def main(args):
+    """Evaluate every checkpoint (or the one model) and write the results: one vLLM engine or HF generation."""
+    validate(args)
+    checkpoints = find_checkpoints(args.checkpoints)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    torch.manual_seed(args.seed)
+
+    tokenizer = load_tokenizer(args.sft_model_path, args.trust_remote_code)
+    stop_id = stop_token_id(args, tokenizer)
+    prompts, references = load_eval_data(args, tokenizer, stop_id)  # with --rule-reward: the answers
+    gold_tokenizer = args.gold_reward_model_path and load_tokenizer(args.gold_reward_model_path, args.trust_remote_code)
+    if gold_tokenizer and gold_tokenizer.get_vocab() == tokenizer.get_vocab():
+        gold_tokenizer = None  # the gold model reads the policy's tokens as they are
+    output = args.output or os.path.join(args.checkpoints if os.path.isdir(args.checkpoints) else ".",
+                                         "evaluation.json")
+
+    gold = load_model(args, args.gold_reward_model_path, reward=True)
+    models = {"sft": load_model(args, args.sft_model_path).to(device), "gold": gold and gold.to(device)}
+    pad = tokenizer.pad_token_id
+    tokenizers = (tokenizer, gold_tokenizer)
+    reference = references if args.rule_reward else score(args, models, prompts, right_pad(references, pad, device),
+                                                           tokenizers, device)["gold"]
+
+    if args.track:
+        import wandb
+
+        wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, config=asdict(args),
+                   name=f"evaluate__{os.path.basename(os.path.abspath(args.checkpoints))}__{int(time.time())}")
+    llm, vllm_dir = None, tempfile.TemporaryDirectory(prefix="evaluate-")
+    results = {}
+    if args.rule_reward:
+        print(f"{len(prompts)} prompts, {args.backend} generation; accuracy by the rule {args.rule_reward}", flush=True)
+    else:
+        print(f"{len(prompts)} prompts, {args.backend} generation; references: gold score "
+              f"{reference.mean().item():.3f}" + ("" if gold_tokenizer is None else
+                                                  " (the gold model scores the text in its own tokens)"), flush=True)
+    columns = (["accuracy"] if args.rule_reward else ["win_rate", "gold_score"]) + ["kl", "perplexity", "response_length"]
+    print(f"{'checkpoint':<40}{'update':>8}" + "".join(f"{column:>16}" for column in columns))
+    try:
+        for checkpoint in checkpoints:
+            policy = load_model(args, checkpoint).to(device)
+            if args.backend == "vllm":
+                path = checkpoint
+                if tied_output_names(policy):  # vLLM's copy of a tied model is untied (see write_for_vllm)
+                    path = os.path.join(vllm_dir.name, "policy")
+                    shutil.rmtree(path, ignore_errors=True)
+                    write_for_vllm(policy, policy.state_dict(), path)
+                    AutoTokenizer.from_pretrained(checkpoint, trust_remote_code=args.trust_remote_code).save_pretrained(path)
+                if llm is None:
+                    llm = start_vllm(args, path)
+                else:
+                    load_into_vllm(llm, path)
+            metrics, samples = evaluate_checkpoint(args, {**models, "policy": policy}, llm, prompts, reference,
+                                                   tokenizers, stop_id, device)
+            update = update_of(checkpoint)
+            results[checkpoint] = {"update": update, **metrics}
+            print(f"{os.path.basename(checkpoint.rstrip('/')):<40}{'' if update is None else update:>8}"
+                  + "".join(f"{metrics[column]:>16.4f}" for column in columns), flush=True)
+            if args.track:
+                wandb.log({**{f"eval/{k}": v for k, v in metrics.items()}, "update": update or 0,
+                           "eval/samples": wandb.Table(columns=["query", "response", "gold score"], data=samples)})
+            del policy
+    finally:
+        if llm is not None:
+            llm.llm_engine.engine_core.shutdown(timeout=30)
+        vllm_dir.cleanup()
+    with open(output, "w") as f:
+        json.dump({"args": asdict(args), "checkpoints": results,
+                   **({} if args.rule_reward else {"reference_gold_score": reference.mean().item()})}, f, indent=1)
+    print(f"wrote {output}")
+    if args.track:
+        wandb.finish()
+
+
 # ===========================================================================================================
-# Plumbing, identical in every script that has it (tests/test_shared_helpers.py keeps the copies equal):
-# data, generation, scoring, evaluation, checkpoints, distributed and run set-up. Change one, change all.
+# Appendix: argument checks (validate, each script's own), then the plumbing, identical in every script that has
+# it (tests/test_shared_helpers.py keeps the copies equal): data, generation, scoring, evaluation, checkpoints,
+# distributed and run set-up. Change one, change all.
 # ===========================================================================================================
+
+def validate(args):
+    """Check the arguments before any model is loaded."""
+    check_gpu_driver()
+    if args.checkpoints is None:
+        fail("checkpoints", "required: a run directory, a checkpoint or a model")
+    check_model_path("checkpoints", args.checkpoints)
+    for checkpoint in find_checkpoints(args.checkpoints):  # each loads as a policy (only a hub id is checked later)
+        check_model(SimpleNamespace(checkpoints=checkpoint, trust_remote_code=args.trust_remote_code), "checkpoints")
+    check_model(args, "sft_model_path")
+    if args.rule_reward is not None:
+        if args.rule_reward not in RULE_REWARDS:
+            fail("rule_reward", f"must be one of {sorted(RULE_REWARDS)}, got {args.rule_reward!r}")
+        args.gold_reward_model_path = None  # the rule scores; no model is loaded
+    elif args.gold_reward_model_path is None:
+        fail("gold_reward_model_path", "required: the win rate is measured with a gold reward model")
+    else:
+        check_model(args, "gold_reward_model_path", reward=True)
+    for name, value in asdict(args).items():
+        if isinstance(value, float) and not math.isfinite(value):
+            fail(name, f"must be a finite number, got {value}")
+    if not 0 <= args.seed < 2**31:  # the training scripts' range
+        fail("seed", f"must be in [0, 2**31), got {args.seed}")
+    if args.output is not None and (os.path.isdir(args.output)
+                                    or not os.path.isdir(os.path.dirname(os.path.abspath(args.output)))):
+        fail("output", f"must be a file in an existing directory, got {args.output}")  # found before, not after, the work
+    if args.temperature < 0:
+        fail("temperature", f"must be 0 (greedy) or more, got {args.temperature}")
+    if args.kl_temperature <= 0:
+        fail("kl_temperature", f"must be positive, got {args.kl_temperature}")
+    for name in ("response_length", "max_prompt_length", "per_device_eval_batch_size"):
+        if getattr(args, name) < 1:
+            fail(name, f"must be at least 1, got {getattr(args, name)}")
+    if args.num_eval_prompts < 0:
+        fail("num_eval_prompts", "must be 0 (all) or more")
+    if args.vllm_gpu_memory_utilization is not None and not 0 < args.vllm_gpu_memory_utilization <= 1:
+        fail("vllm_gpu_memory_utilization", f"must be in (0, 1], got {args.vllm_gpu_memory_utilization}")
+    if args.bf16 and torch.cuda.is_available() and not torch.cuda.is_bf16_supported(including_emulation=False):
+        fail("bf16", "this GPU has no native bfloat16 (compute capability 8.0 or later: A100, H100, L4, RTX 30xx); "
+                     "evaluate in float32 with --no-bf16")
+    if args.backend not in ("auto", "vllm", "hf"):
+        fail("backend", f"must be auto, vllm or hf, got {args.backend!r}")
+    has_vllm = importlib.util.find_spec("vllm") is not None
+    if args.backend == "vllm" and not has_vllm:
+        fail("backend", "vllm is not installed")
+    args.backend = "vllm" if args.backend == "auto" and has_vllm else "hf" if args.backend == "auto" else args.backend
+    args.batch_size = args.per_device_eval_batch_size
+
 
 def fail(argument, message):
     """Bad input: one line on stderr naming the argument, exit code 2."""
@@ -655,11 +748,11 @@ def load_model(args, path, reward=False):
     token that load_tokenizer may add is never read by a model."""
     if path is None:
         return None
-    load = dict(dtype=torch.bfloat16 if args.bf16 else torch.float32, trust_remote_code=args.trust_remote_code)
+    dtype_and_code = dict(dtype=torch.bfloat16 if args.bf16 else torch.float32, trust_remote_code=args.trust_remote_code)
     if reward:
-        model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, **load)
+        model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, **dtype_and_code)
     else:
-        model = AutoModelForCausalLM.from_pretrained(path, **load)
+        model = AutoModelForCausalLM.from_pretrained(path, **dtype_and_code)
     disable_dropout(model)
     return model
 
@@ -671,74 +764,4 @@ def disable_dropout(model):
 
 
 if __name__ == "__main__":
-    args = tyro.cli(Args)
-    validate(args)
-    checkpoints = find_checkpoints(args.checkpoints)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    torch.manual_seed(args.seed)
-
-    tokenizer = load_tokenizer(args.sft_model_path, args.trust_remote_code)
-    stop_id = stop_token_id(args, tokenizer)
-    prompts, references = load_eval_data(args, tokenizer, stop_id)  # with --rule-reward: the answers
-    gold_tokenizer = args.gold_reward_model_path and load_tokenizer(args.gold_reward_model_path, args.trust_remote_code)
-    if gold_tokenizer and gold_tokenizer.get_vocab() == tokenizer.get_vocab():
-        gold_tokenizer = None  # the gold model reads the policy's tokens as they are
-    output = args.output or os.path.join(args.checkpoints if os.path.isdir(args.checkpoints) else ".",
-                                         "evaluation.json")
-
-    gold = load_model(args, args.gold_reward_model_path, reward=True)
-    models = {"sft": load_model(args, args.sft_model_path).to(device), "gold": gold and gold.to(device)}
-    pad = tokenizer.pad_token_id
-    tokenizers = (tokenizer, gold_tokenizer)
-    reference = references if args.rule_reward else score(args, models, prompts, right_pad(references, pad, device),
-                                                           tokenizers, device)["gold"]
-
-    if args.track:
-        import wandb
-
-        wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, config=asdict(args),
-                   name=f"evaluate__{os.path.basename(os.path.abspath(args.checkpoints))}__{int(time.time())}")
-    llm, vllm_dir = None, tempfile.TemporaryDirectory(prefix="evaluate-")
-    results = {}
-    if args.rule_reward:
-        print(f"{len(prompts)} prompts, {args.backend} generation; accuracy by the rule {args.rule_reward}", flush=True)
-    else:
-        print(f"{len(prompts)} prompts, {args.backend} generation; references: gold score "
-              f"{reference.mean().item():.3f}" + ("" if gold_tokenizer is None else
-                                                  " (the gold model scores the text in its own tokens)"), flush=True)
-    columns = (["accuracy"] if args.rule_reward else ["win_rate", "gold_score"]) + ["kl", "perplexity", "response_length"]
-    print(f"{'checkpoint':<40}{'update':>8}" + "".join(f"{column:>16}" for column in columns))
-    try:
-        for checkpoint in checkpoints:
-            policy = load_model(args, checkpoint).to(device)
-            if args.backend == "vllm":
-                path = checkpoint
-                if tied_output_names(policy):  # vLLM's copy of a tied model is untied (see write_for_vllm)
-                    path = os.path.join(vllm_dir.name, "policy")
-                    shutil.rmtree(path, ignore_errors=True)
-                    write_for_vllm(policy, policy.state_dict(), path)
-                    AutoTokenizer.from_pretrained(checkpoint, trust_remote_code=args.trust_remote_code).save_pretrained(path)
-                if llm is None:
-                    llm = start_vllm(args, path)
-                else:
-                    load_into_vllm(llm, path)
-            metrics, samples = evaluate_checkpoint(args, {**models, "policy": policy}, llm, prompts, reference,
-                                                   tokenizers, stop_id, device)
-            update = update_of(checkpoint)
-            results[checkpoint] = {"update": update, **metrics}
-            print(f"{os.path.basename(checkpoint.rstrip('/')):<40}{'' if update is None else update:>8}"
-                  + "".join(f"{metrics[column]:>16.4f}" for column in columns), flush=True)
-            if args.track:
-                wandb.log({**{f"eval/{k}": v for k, v in metrics.items()}, "update": update or 0,
-                           "eval/samples": wandb.Table(columns=["query", "response", "gold score"], data=samples)})
-            del policy
-    finally:
-        if llm is not None:
-            llm.llm_engine.engine_core.shutdown(timeout=30)
-        vllm_dir.cleanup()
-    with open(output, "w") as f:
-        json.dump({"args": asdict(args), "checkpoints": results,
-                   **({} if args.rule_reward else {"reference_gold_score": reference.mean().item()})}, f, indent=1)
-    print(f"wrote {output}")
-    if args.track:
-        wandb.finish()
+    main(tyro.cli(Args))

@@ -38,6 +38,7 @@ import deepspeed
 import torch.distributed as dist
 import tyro
 from datasets import load_dataset
+from datasets.exceptions import DatasetGenerationError
 from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
 from deepspeed.runtime.zero.stage3 import unwrap_model_for_generation
@@ -145,51 +146,9 @@ class Args:
     """(set at run time) number of generation batches"""
 
 
-def validate(args):
-    """Check the arguments before any model is loaded; fill in the derived batch sizes."""
-    check_gpu_driver()
-    for name in ("per_device_train_batch_size", "gradient_accumulation_steps", "num_mini_batches",
-                 "num_ppo_epochs", "response_length", "max_prompt_length", "total_episodes", "num_eval_prompts"):
-        if getattr(args, name) < 1:
-            fail(name, f"must be at least 1, got {getattr(args, name)}")
-    for name in ("gamma", "lam"):
-        if not 0 <= getattr(args, name) <= 1:
-            fail(name, f"must be between 0 and 1, got {getattr(args, name)}")
-    if args.kl_coef < 0:
-        fail("kl_coef", f"must be 0 or more, got {args.kl_coef}")
-    for name in ("cliprange", "cliprange_value", "vf_coef"):
-        if getattr(args, name) <= 0:
-            fail(name, f"must be positive, got {getattr(args, name)}")
-    if args.temperature <= 0:
-        fail("temperature", f"must be positive, got {args.temperature}")
-    if args.missing_eos_mode not in ("add", "replace"):
-        fail("missing_eos_mode", f"must be add or replace, got {args.missing_eos_mode!r}")
-    if args.bf16 and torch.cuda.is_available() and not torch.cuda.is_bf16_supported(including_emulation=False):
-        fail("bf16", "this GPU has no native bfloat16 (compute capability 8.0 or later: A100, H100, L4, RTX 30xx); "
-                     "train in float32 with --no-bf16")
-    for name in ("eval_every", "save_every"):
-        if getattr(args, name) < 0:
-            fail(name, "must be 0 or more")
-    args.local_batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps * args.num_mini_batches
-    args.batch_size = args.local_batch_size * args.world_size
-    args.num_updates = args.total_episodes // args.batch_size
-    if args.num_updates < 1:
-        fail("total_episodes", f"must be at least one batch of {args.batch_size} responses")
-    check_files(args)
-    check_numbers(args)
-    check_model(args, "sft_model_path")
-    check_rewards(args)
-    check_resume(args)
-    config = AutoConfig.from_pretrained(args.sft_model_path, trust_remote_code=args.trust_remote_code)
-    positions = getattr(config, "max_position_embeddings", None)
-    if positions is not None and args.max_prompt_length + args.response_length > positions:
-        fail("response_length", f"max_prompt_length + response_length = {args.max_prompt_length + args.response_length}"
-                                f" exceeds the model's {positions} positions")
-
-
 # ===========================================================================================================
 # The algorithm: the only functions that differ between the algorithm scripts. To try a new loss,
-# change these and steps 3-4 of the loop in the main block.
+# change these and steps 3-4 of the loop in main(), which follows them.
 # ===========================================================================================================
 
 def value_forward(value_model, query_responses, pad_token_id, context_length):
@@ -260,10 +219,216 @@ def explained_variance(values, returns, mask):
     return 1 - masked_var(returns - values, mask) / masked_var(returns, mask).clamp(min=1e-8)
 
 
+def main(args):
+    """The run: set-up (distributed, data, models and their DeepSpeed engines, the run directory), then the loop,
+    whose numbered steps are the algorithm."""
+    args.world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    validate(args)
+    rank, device = set_up_distributed(args)
+    prompts_per_rank = args.local_batch_size
+    tokenizer, stop_id, train_prompts, eval_prompts, train_answers, eval_answers = load_data(args, prompts_per_rank)
+    run_name, run_dir = run_directory(args)
+
+    # Models and DeepSpeed engines: the policy and the value model train (two engines, each with its own AdamW and
+    # schedule; the value model starts from the reward model); the reference and reward models only run forward.
+    policy = training_engine(args, load_model(args, args.sft_model_path))
+    # The value model starts from the reward model or, with --rule-reward, from the SFT policy with a fresh score
+    # head, drawn from --seed on every rank (ZeRO-3 partitions each rank's own copy).
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(args.seed)
+        value_model = training_engine(args, load_model(args, args.reward_model_path or args.sft_model_path, reward=True))
+    ref_policy = frozen_engine(args, load_model(args, args.sft_model_path))
+    reward_model = frozen_engine(args, load_model(args, args.reward_model_path, reward=True))
+    gold_model = frozen_engine(args, load_model(args, args.gold_reward_model_path, reward=True))
+
+    start_update, episode = 0, 0
+    if args.resume:
+        start_update, episode = load_checkpoint(latest_checkpoint(args.resume), {"policy": policy, "value_model": value_model})
+
+    run_log = RunLog(args, run_dir, run_name, start_update)  # metrics.jsonl (rank 0), wandb with --track
+    if rank == 0:
+        print(f"run {run_dir}: {args.num_updates} updates of {args.batch_size} responses "
+              "(one per prompt)", flush=True)
+
+    pad = tokenizer.pad_token_id
+    progress = tqdm(total=args.num_updates * args.batch_size, initial=episode, unit="ep", disable=rank != 0)
+    if not args.resume:  # the curves start from the SFT policy
+        eval_metrics, samples = evaluate(args, policy, reward_model, gold_model, eval_prompts, eval_answers, tokenizer,
+                                         stop_id, device)
+        run_log.log(0, {**eval_metrics, "episode": 0}, samples)
+    start_time, start_episode = time.time(), episode
+    for update in range(start_update + 1, args.num_updates + 1):
+        # 1. Generate one response per prompt with the current policy.
+        t0 = time.time()
+        indices = prompt_batch(len(train_prompts), prompts_per_rank, update - 1, args.seed, rank, args.world_size)
+        queries = left_pad([train_prompts[i] for i in indices], pad, device)
+        answers = [train_answers[i] for i in indices]
+        context_length = queries.shape[1]
+        with unwrapped_for_generation(policy) as model:
+            responses = generate(model, queries, pad, stop_id, args.response_length, args.temperature)
+        responses = truncate_response(responses, stop_id, pad)
+        query_responses = torch.cat([queries, responses], 1)
+        padding_mask = responses == pad  # everything after the response
+        t1 = time.time()
+
+        # 2. Score: log-probabilities under the policy and the reference, values, reward-model scores.
+        logprobs, ref_logprobs, values, scores = [], [], [], []
+        with torch.no_grad():
+            for i in range(0, len(query_responses), args.per_device_train_batch_size):
+                chunk = query_responses[i: i + args.per_device_train_batch_size]
+                chunk_responses = chunk[:, context_length:]
+                logprobs.append(response_logprobs(forward(policy, chunk, pad).logits, chunk_responses,
+                                                  context_length, args.temperature))
+                ref_logprobs.append(response_logprobs(forward(ref_policy, chunk, pad).logits, chunk_responses,
+                                                      context_length, args.temperature))
+                values.append(value_forward(value_model, chunk, pad, context_length))
+                scores.append(score_responses(args, reward_model, chunk, context_length,
+                                              answers[i: i + args.per_device_train_batch_size], tokenizer))
+        logprobs = torch.cat(logprobs).masked_fill(padding_mask, 0.0)
+        ref_logprobs = torch.cat(ref_logprobs).masked_fill(padding_mask, 0.0)
+        values = torch.cat(values).masked_fill(padding_mask, 0.0)
+        raw_scores = torch.cat(scores)
+        scores = apply_missing_eos_penalty(raw_scores, responses, stop_id, args.missing_eos_penalty,
+                                           args.missing_eos_mode)
+
+        # 3. Per-token rewards, GAE advantages (whitened) and returns (not whitened).
+        kl = (logprobs - ref_logprobs).sum(1)
+        rewards = token_rewards(scores, logprobs, ref_logprobs, padding_mask, args.kl_coef)
+        advantages, returns = gae_advantages(rewards, values, padding_mask, args.gamma, args.lam)
+        advantages = masked_whiten(advantages, ~padding_mask).masked_fill(padding_mask, 0.0)
+        non_score_reward = -args.kl_coef * kl
+        rlhf_reward = scores + non_score_reward
+        t2 = time.time()
+
+        # 4. PPO updates of the policy and the value model over mini-batches of this generation batch.
+        stats = {name: [] for name in ("loss", "value_loss", "approxkl", "clipfrac", "value_clipfrac", "ratio",
+                                       "entropy")}
+        local_mini_batch = args.local_batch_size // args.num_mini_batches
+        for _ in range(args.num_ppo_epochs):
+            order = torch.randperm(args.local_batch_size, device=device)
+            for mb_start in range(0, args.local_batch_size, local_mini_batch):
+                for mc_start in range(mb_start, mb_start + local_mini_batch, args.per_device_train_batch_size):
+                    idx = order[mc_start: mc_start + args.per_device_train_batch_size]
+                    mask = ~padding_mask[idx]
+                    logits = forward(policy, query_responses[idx], pad).logits
+                    new_logprobs = response_logprobs(logits, responses[idx], context_length, args.temperature)
+                    new_logprobs = new_logprobs.masked_fill(padding_mask[idx], 0.0)
+                    loss, log_ratio, ratio, clipped = ppo_policy_loss(new_logprobs, logprobs[idx], advantages[idx],
+                                                                      mask, args.cliprange)
+                    new_values = value_forward(value_model, query_responses[idx], pad, context_length)
+                    value_loss, value_clipped = ppo_value_loss(new_values, values[idx], returns[idx], mask,
+                                                               args.cliprange_value)
+                    policy.backward(loss)
+                    value_model.backward(args.vf_coef * value_loss)
+                    policy.step()
+                    value_model.step()
+                    with torch.no_grad():
+                        entropy = entropy_from_logits(logits[:, context_length - 1: -1] / args.temperature)
+                        stats["loss"].append(loss)
+                        stats["value_loss"].append(value_loss)
+                        stats["approxkl"].append(0.5 * masked_mean(log_ratio ** 2, mask))
+                        stats["clipfrac"].append(masked_mean(clipped.float(), mask))
+                        stats["value_clipfrac"].append(masked_mean(value_clipped.float(), mask))
+                        stats["ratio"].append(masked_mean(ratio, mask))
+                        stats["entropy"].append(masked_mean(entropy, mask))
+        t3 = time.time()
+
+        # 5. Log, evaluate, save.
+        episode += args.batch_size
+        progress.update(args.batch_size)
+        step_means = {name: torch.stack(per_step).mean().item() for name, per_step in stats.items()}
+        metrics = mean_over_ranks({
+            "objective/scores": scores.mean().item(),
+            "objective/raw_scores": raw_scores.mean().item(),
+            "objective/kl": kl.mean().item(),
+            "objective/non_score_reward": non_score_reward.mean().item(),
+            "objective/rlhf_reward": rlhf_reward.mean().item(),
+            "objective/entropy": (-logprobs).sum(1).mean().item(),
+            "policy/entropy_avg": step_means["entropy"],
+            "loss/policy_avg": step_means["loss"],
+            "loss/value_avg": step_means["value_loss"],
+            "policy/approxkl_avg": step_means["approxkl"],
+            "policy/clipfrac_avg": step_means["clipfrac"],
+            "val/clipfrac_avg": step_means["value_clipfrac"],
+            "val/ratio": step_means["ratio"],
+            "val/ratio_var": torch.stack(stats["ratio"]).var().item() if len(stats["ratio"]) > 1 else 0.0,
+            "val/explained_variance": explained_variance(values, returns, ~padding_mask).item(),
+            "val/num_eos_tokens": (responses == stop_id).sum().item() * args.world_size,
+            "val/response_length": (~padding_mask).sum(1).float().mean().item(),
+            "time/generation": t1 - t0,
+            "time/scoring": t2 - t1,
+            "time/training": t3 - t2,
+        }, device)
+        metrics.update({"lr": policy.get_lr()[0], "episode": episode,
+                        "time/episodes_per_second": (episode - start_episode) / (time.time() - start_time)})
+        samples = None
+        if (args.eval_every and update % args.eval_every == 0) or update == args.num_updates:
+            eval_metrics, samples = evaluate(args, policy, reward_model, gold_model, eval_prompts, eval_answers, tokenizer,
+                                             stop_id, device)
+            metrics.update(eval_metrics)
+            if rank == 0:
+                tqdm.write(f"update {update}: " + ", ".join(f"{k} {v:.3f}" for k, v in eval_metrics.items()))
+                for query, response, score in samples[:2]:
+                    tqdm.write(f"  {query!r} -> {response!r} (score {score})")
+        run_log.log(update, metrics, samples)
+        progress.set_postfix(score=f"{metrics['objective/scores']:.3f}", kl=f"{metrics['objective/kl']:.2f}",
+                             eps=f"{metrics['time/episodes_per_second']:.0f}")
+        if (args.save_every and update % args.save_every == 0) or update == args.num_updates:
+            save_checkpoint(args, run_dir, update, episode, {"policy": policy, "value_model": value_model})
+
+    progress.close()
+    run_log.close()
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 # ===========================================================================================================
-# Plumbing, identical in every script that has it (tests/test_shared_helpers.py keeps the copies equal):
-# data, generation, scoring, evaluation, checkpoints, distributed and run set-up. Change one, change all.
+# Appendix: argument checks (validate, each script's own), then the plumbing, identical in every script that has
+# it (tests/test_shared_helpers.py keeps the copies equal): data, generation, scoring, evaluation, checkpoints,
+# distributed and run set-up. Change one, change all.
 # ===========================================================================================================
+
+def validate(args):
+    """Check the arguments before any model is loaded; fill in the derived batch sizes."""
+    check_gpu_driver()
+    for name in ("per_device_train_batch_size", "gradient_accumulation_steps", "num_mini_batches",
+                 "num_ppo_epochs", "response_length", "max_prompt_length", "total_episodes", "num_eval_prompts"):
+        if getattr(args, name) < 1:
+            fail(name, f"must be at least 1, got {getattr(args, name)}")
+    for name in ("gamma", "lam"):
+        if not 0 <= getattr(args, name) <= 1:
+            fail(name, f"must be between 0 and 1, got {getattr(args, name)}")
+    if args.kl_coef < 0:
+        fail("kl_coef", f"must be 0 or more, got {args.kl_coef}")
+    for name in ("cliprange", "cliprange_value", "vf_coef"):
+        if getattr(args, name) <= 0:
+            fail(name, f"must be positive, got {getattr(args, name)}")
+    if args.temperature <= 0:
+        fail("temperature", f"must be positive, got {args.temperature}")
+    if args.missing_eos_mode not in ("add", "replace"):
+        fail("missing_eos_mode", f"must be add or replace, got {args.missing_eos_mode!r}")
+    if args.bf16 and torch.cuda.is_available() and not torch.cuda.is_bf16_supported(including_emulation=False):
+        fail("bf16", "this GPU has no native bfloat16 (compute capability 8.0 or later: A100, H100, L4, RTX 30xx); "
+                     "train in float32 with --no-bf16")
+    for name in ("eval_every", "save_every"):
+        if getattr(args, name) < 0:
+            fail(name, "must be 0 or more")
+    args.local_batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps * args.num_mini_batches
+    args.batch_size = args.local_batch_size * args.world_size
+    args.num_updates = args.total_episodes // args.batch_size
+    if args.num_updates < 1:
+        fail("total_episodes", f"must be at least one batch of {args.batch_size} responses")
+    check_files(args)
+    check_numbers(args)
+    check_model(args, "sft_model_path")
+    check_rewards(args)
+    check_resume(args)
+    config = AutoConfig.from_pretrained(args.sft_model_path, trust_remote_code=args.trust_remote_code)
+    positions = getattr(config, "max_position_embeddings", None)
+    if positions is not None and args.max_prompt_length + args.response_length > positions:
+        fail("response_length", f"max_prompt_length + response_length = {args.max_prompt_length + args.response_length}"
+                                f" exceeds the model's {positions} positions")
+
 
 def fail(argument, message):
     """Bad input: one line on stderr naming the argument, exit code 2."""
@@ -392,17 +557,28 @@ def check_resume(args):
                            "a resumed run must keep it")
 
 
+def read_dataset(args):
+    """--dataset-name through datasets' load_dataset (a directory of JSON lines or parquet files, or a hub id). Every
+    way it can fail is bad input: one line naming the argument, exit code 2."""
+    if not os.path.exists(args.dataset_name) and args.dataset_name.count("/") != 1:
+        fail("dataset_name", f"no such directory: {args.dataset_name}")
+    try:
+        return load_dataset(args.dataset_name)
+    except StopIteration:  # what datasets' JSON loader raises on an empty file
+        files = sorted(os.listdir(args.dataset_name)) if os.path.isdir(args.dataset_name) else []
+        empty = [f for f in files if os.path.getsize(os.path.join(args.dataset_name, f)) == 0]
+        fail("dataset_name", f"cannot load {args.dataset_name}: {', '.join(empty) or 'a data file'} is empty")
+    except (OSError, ValueError, DatasetGenerationError) as error:  # unreadable, a line that is not JSON, ...
+        cause = str(error.__cause__ or error).strip() or type(error).__name__
+        fail("dataset_name", f"cannot load {args.dataset_name}: {cause.splitlines()[0]}")
+
+
 def load_prompts(args, tokenizer):
     """Tokenised prompts of the train and eval splits (lists of token-id lists) and, with --rule-reward, their
     answers (else Nones). A prompt is the `query` column's text, or the `messages` column's chat rendered with
     the tokenizer's chat template and the generation prompt (a last assistant turn, the reference reply, is
     left out, as in No Robots)."""
-    if not os.path.exists(args.dataset_name) and args.dataset_name.count("/") != 1:
-        fail("dataset_name", f"no such directory: {args.dataset_name}")
-    try:
-        dataset = load_dataset(args.dataset_name)
-    except (OSError, ValueError) as error:  # an unreadable file, an empty split, ...
-        fail("dataset_name", f"cannot load {args.dataset_name}: {str(error).splitlines()[0]}")
+    dataset = read_dataset(args)
     prompts, answers = {}, {}
     for argument in ("dataset_train_split", "dataset_eval_split"):
         split = getattr(args, argument)
@@ -811,11 +987,11 @@ def load_model(args, path, reward=False):
     token that load_tokenizer may add is never read by a model."""
     if path is None:
         return None
-    load = dict(dtype=torch.bfloat16 if args.bf16 else torch.float32, trust_remote_code=args.trust_remote_code)
+    dtype_and_code = dict(dtype=torch.bfloat16 if args.bf16 else torch.float32, trust_remote_code=args.trust_remote_code)
     if reward:
-        model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, **load)
+        model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, **dtype_and_code)
     else:
-        model = AutoModelForCausalLM.from_pretrained(path, **load)
+        model = AutoModelForCausalLM.from_pretrained(path, **dtype_and_code)
     disable_dropout(model)
     return model
 
@@ -886,162 +1062,4 @@ def disable_dropout(model):
 
 
 if __name__ == "__main__":
-    args = tyro.cli(Args)
-    args.world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    validate(args)
-    rank, device = set_up_distributed(args)
-    prompts_per_rank = args.local_batch_size
-    tokenizer, stop_id, train_prompts, eval_prompts, train_answers, eval_answers = load_data(args, prompts_per_rank)
-    run_name, run_dir = run_directory(args)
-
-    # Models and DeepSpeed engines: the policy and the value model train (two engines, each with its own AdamW and
-    # schedule; the value model starts from the reward model); the reference and reward models only run forward.
-    policy = training_engine(args, load_model(args, args.sft_model_path))
-    # The value model starts from the reward model or, with --rule-reward, from the SFT policy with a fresh score
-    # head, drawn from --seed on every rank (ZeRO-3 partitions each rank's own copy).
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(args.seed)
-        value_model = training_engine(args, load_model(args, args.reward_model_path or args.sft_model_path, reward=True))
-    ref_policy = frozen_engine(args, load_model(args, args.sft_model_path))
-    reward_model = frozen_engine(args, load_model(args, args.reward_model_path, reward=True))
-    gold_model = frozen_engine(args, load_model(args, args.gold_reward_model_path, reward=True))
-
-    start_update, episode = 0, 0
-    if args.resume:
-        start_update, episode = load_checkpoint(latest_checkpoint(args.resume), {"policy": policy, "value_model": value_model})
-
-    run_log = RunLog(args, run_dir, run_name, start_update)  # metrics.jsonl (rank 0), wandb with --track
-    if rank == 0:
-        print(f"run {run_dir}: {args.num_updates} updates of {args.batch_size} responses "
-              "(one per prompt)", flush=True)
-
-    pad = tokenizer.pad_token_id
-    progress = tqdm(total=args.num_updates * args.batch_size, initial=episode, unit="ep", disable=rank != 0)
-    if not args.resume:  # the curves start from the SFT policy
-        eval_metrics, samples = evaluate(args, policy, reward_model, gold_model, eval_prompts, eval_answers, tokenizer,
-                                         stop_id, device)
-        run_log.log(0, {**eval_metrics, "episode": 0}, samples)
-    start_time, start_episode = time.time(), episode
-    for update in range(start_update + 1, args.num_updates + 1):
-        # 1. Generate one response per prompt with the current policy.
-        t0 = time.time()
-        indices = prompt_batch(len(train_prompts), prompts_per_rank, update - 1, args.seed, rank, args.world_size)
-        queries = left_pad([train_prompts[i] for i in indices], pad, device)
-        answers = [train_answers[i] for i in indices]
-        context_length = queries.shape[1]
-        with unwrapped_for_generation(policy) as model:
-            responses = generate(model, queries, pad, stop_id, args.response_length, args.temperature)
-        responses = truncate_response(responses, stop_id, pad)
-        query_responses = torch.cat([queries, responses], 1)
-        padding_mask = responses == pad  # everything after the response
-        t1 = time.time()
-
-        # 2. Score: log-probabilities under the policy and the reference, values, reward-model scores.
-        logprobs, ref_logprobs, values, scores = [], [], [], []
-        with torch.no_grad():
-            for i in range(0, len(query_responses), args.per_device_train_batch_size):
-                chunk = query_responses[i: i + args.per_device_train_batch_size]
-                chunk_responses = chunk[:, context_length:]
-                logprobs.append(response_logprobs(forward(policy, chunk, pad).logits, chunk_responses,
-                                                  context_length, args.temperature))
-                ref_logprobs.append(response_logprobs(forward(ref_policy, chunk, pad).logits, chunk_responses,
-                                                      context_length, args.temperature))
-                values.append(value_forward(value_model, chunk, pad, context_length))
-                scores.append(score_responses(args, reward_model, chunk, context_length,
-                                              answers[i: i + args.per_device_train_batch_size], tokenizer))
-        logprobs = torch.cat(logprobs).masked_fill(padding_mask, 0.0)
-        ref_logprobs = torch.cat(ref_logprobs).masked_fill(padding_mask, 0.0)
-        values = torch.cat(values).masked_fill(padding_mask, 0.0)
-        raw_scores = torch.cat(scores)
-        scores = apply_missing_eos_penalty(raw_scores, responses, stop_id, args.missing_eos_penalty,
-                                           args.missing_eos_mode)
-
-        # 3. Per-token rewards, GAE advantages (whitened) and returns (not whitened).
-        kl = (logprobs - ref_logprobs).sum(1)
-        rewards = token_rewards(scores, logprobs, ref_logprobs, padding_mask, args.kl_coef)
-        advantages, returns = gae_advantages(rewards, values, padding_mask, args.gamma, args.lam)
-        advantages = masked_whiten(advantages, ~padding_mask).masked_fill(padding_mask, 0.0)
-        non_score_reward = -args.kl_coef * kl
-        rlhf_reward = scores + non_score_reward
-        t2 = time.time()
-
-        # 4. PPO updates of the policy and the value model over mini-batches of this generation batch.
-        stats = {name: [] for name in ("loss", "value_loss", "approxkl", "clipfrac", "value_clipfrac", "ratio",
-                                       "entropy")}
-        local_mini_batch = args.local_batch_size // args.num_mini_batches
-        for _ in range(args.num_ppo_epochs):
-            order = torch.randperm(args.local_batch_size, device=device)
-            for mb_start in range(0, args.local_batch_size, local_mini_batch):
-                for mc_start in range(mb_start, mb_start + local_mini_batch, args.per_device_train_batch_size):
-                    idx = order[mc_start: mc_start + args.per_device_train_batch_size]
-                    mask = ~padding_mask[idx]
-                    logits = forward(policy, query_responses[idx], pad).logits
-                    new_logprobs = response_logprobs(logits, responses[idx], context_length, args.temperature)
-                    new_logprobs = new_logprobs.masked_fill(padding_mask[idx], 0.0)
-                    loss, log_ratio, ratio, clipped = ppo_policy_loss(new_logprobs, logprobs[idx], advantages[idx],
-                                                                      mask, args.cliprange)
-                    new_values = value_forward(value_model, query_responses[idx], pad, context_length)
-                    value_loss, value_clipped = ppo_value_loss(new_values, values[idx], returns[idx], mask,
-                                                               args.cliprange_value)
-                    policy.backward(loss)
-                    value_model.backward(args.vf_coef * value_loss)
-                    policy.step()
-                    value_model.step()
-                    with torch.no_grad():
-                        entropy = entropy_from_logits(logits[:, context_length - 1: -1] / args.temperature)
-                        stats["loss"].append(loss)
-                        stats["value_loss"].append(value_loss)
-                        stats["approxkl"].append(0.5 * masked_mean(log_ratio ** 2, mask))
-                        stats["clipfrac"].append(masked_mean(clipped.float(), mask))
-                        stats["value_clipfrac"].append(masked_mean(value_clipped.float(), mask))
-                        stats["ratio"].append(masked_mean(ratio, mask))
-                        stats["entropy"].append(masked_mean(entropy, mask))
-        t3 = time.time()
-
-        # 5. Log, evaluate, save.
-        episode += args.batch_size
-        progress.update(args.batch_size)
-        mean = {name: torch.stack(per_step).mean().item() for name, per_step in stats.items()}
-        metrics = mean_over_ranks({
-            "objective/scores": scores.mean().item(),
-            "objective/raw_scores": raw_scores.mean().item(),
-            "objective/kl": kl.mean().item(),
-            "objective/non_score_reward": non_score_reward.mean().item(),
-            "objective/rlhf_reward": rlhf_reward.mean().item(),
-            "objective/entropy": (-logprobs).sum(1).mean().item(),
-            "policy/entropy_avg": mean["entropy"],
-            "loss/policy_avg": mean["loss"],
-            "loss/value_avg": mean["value_loss"],
-            "policy/approxkl_avg": mean["approxkl"],
-            "policy/clipfrac_avg": mean["clipfrac"],
-            "val/clipfrac_avg": mean["value_clipfrac"],
-            "val/ratio": mean["ratio"],
-            "val/ratio_var": torch.stack(stats["ratio"]).var().item() if len(stats["ratio"]) > 1 else 0.0,
-            "val/explained_variance": explained_variance(values, returns, ~padding_mask).item(),
-            "val/num_eos_tokens": (responses == stop_id).sum().item() * args.world_size,
-            "val/response_length": (~padding_mask).sum(1).float().mean().item(),
-            "time/generation": t1 - t0,
-            "time/scoring": t2 - t1,
-            "time/training": t3 - t2,
-        }, device)
-        metrics.update({"lr": policy.get_lr()[0], "episode": episode,
-                        "time/episodes_per_second": (episode - start_episode) / (time.time() - start_time)})
-        samples = None
-        if (args.eval_every and update % args.eval_every == 0) or update == args.num_updates:
-            eval_metrics, samples = evaluate(args, policy, reward_model, gold_model, eval_prompts, eval_answers, tokenizer,
-                                             stop_id, device)
-            metrics.update(eval_metrics)
-            if rank == 0:
-                tqdm.write(f"update {update}: " + ", ".join(f"{k} {v:.3f}" for k, v in eval_metrics.items()))
-                for query, response, score in samples[:2]:
-                    tqdm.write(f"  {query!r} -> {response!r} (score {score})")
-        run_log.log(update, metrics, samples)
-        progress.set_postfix(score=f"{metrics['objective/scores']:.3f}", kl=f"{metrics['objective/kl']:.2f}",
-                             eps=f"{metrics['time/episodes_per_second']:.0f}")
-        if (args.save_every and update % args.save_every == 0) or update == args.num_updates:
-            save_checkpoint(args, run_dir, update, episode, {"policy": policy, "value_model": value_model})
-
-    progress.close()
-    run_log.close()
-    dist.barrier()
-    dist.destroy_process_group()
+    main(tyro.cli(Args))

@@ -49,6 +49,7 @@ import deepspeed
 import torch.distributed as dist
 import tyro
 from datasets import load_dataset
+from datasets.exceptions import DatasetGenerationError
 from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
 from deepspeed.runtime.zero.stage3 import unwrap_model_for_generation
@@ -56,9 +57,15 @@ from tqdm import tqdm
 from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification,
                           AutoTokenizer, StaticCache)
 
+# vLLM logs about a hundred INFO lines around a run's own (start-up, compilation, shutdown): warnings only unless the
+# user sets VLLM_LOGGING_LEVEL (INFO shows them). Read when vLLM is first imported; its engine's processes inherit it.
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+
 
 @dataclass
 class Args:
+    """Every argument (vLLM logs warnings only: VLLM_LOGGING_LEVEL=INFO python ... shows its start-up lines)."""
+
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
     """name of this experiment, the first part of the run name"""
     seed: int = 1
@@ -176,66 +183,9 @@ class Args:
     """(set at run time) number of generation batches"""
 
 
-def validate(args):
-    """Check the arguments before any model is loaded; fill in the derived batch sizes."""
-    check_gpu_driver()
-    for name in ("per_device_train_batch_size", "gradient_accumulation_steps", "num_mini_batches",
-                 "num_ppo_epochs", "response_length", "max_prompt_length", "total_episodes", "num_eval_prompts"):
-        if getattr(args, name) < 1:
-            fail(name, f"must be at least 1, got {getattr(args, name)}")
-    for name in ("gamma", "lam"):
-        if not 0 <= getattr(args, name) <= 1:
-            fail(name, f"must be between 0 and 1, got {getattr(args, name)}")
-    if args.kl_coef < 0:
-        fail("kl_coef", f"must be 0 or more, got {args.kl_coef}")
-    for name in ("cliprange", "cliprange_value", "vf_coef"):
-        if getattr(args, name) <= 0:
-            fail(name, f"must be positive, got {getattr(args, name)}")
-    if args.off_policy_steps < 1:
-        fail("off_policy_steps", f"must be at least 1 (use --sync for on-policy), got {args.off_policy_steps}")
-    if args.is_cap < 0:
-        fail("is_cap", f"must be 0 (no correction) or positive, got {args.is_cap}")
-    if args.check_weights_every < 0:
-        fail("check_weights_every", f"must be 0 (never) or more, got {args.check_weights_every}")
-    if args.generation_timeout <= 0:
-        fail("generation_timeout", f"must be positive, got {args.generation_timeout}")
-    if args.weight_sync not in ("memory", "file"):
-        fail("weight_sync", f"must be memory or file, got {args.weight_sync!r}")
-    if args.vllm_gpu_memory_utilization is not None and not 0 < args.vllm_gpu_memory_utilization <= 1:
-        fail("vllm_gpu_memory_utilization", f"must be in (0, 1], got {args.vllm_gpu_memory_utilization}")
-    if not torch.cuda.is_available() and not 1 <= args.vllm_cpu_cores < len(os.sched_getaffinity(0)):
-        fail("vllm_cpu_cores", f"must leave the learner at least one of this machine's "
-                               f"{len(os.sched_getaffinity(0))} cores, got {args.vllm_cpu_cores}")
-    if args.temperature <= 0:
-        fail("temperature", f"must be positive, got {args.temperature}")
-    if args.missing_eos_mode not in ("add", "replace"):
-        fail("missing_eos_mode", f"must be add or replace, got {args.missing_eos_mode!r}")
-    if args.bf16 and torch.cuda.is_available() and not torch.cuda.is_bf16_supported(including_emulation=False):
-        fail("bf16", "this GPU has no native bfloat16 (compute capability 8.0 or later: A100, H100, L4, RTX 30xx); "
-                     "train in float32 with --no-bf16")
-    for name in ("eval_every", "save_every"):
-        if getattr(args, name) < 0:
-            fail(name, "must be 0 or more")
-    args.local_batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps * args.num_mini_batches
-    args.batch_size = args.local_batch_size * args.world_size
-    args.num_updates = args.total_episodes // args.batch_size
-    if args.num_updates < 1:
-        fail("total_episodes", f"must be at least one batch of {args.batch_size} responses")
-    check_files(args)
-    check_numbers(args)
-    check_model(args, "sft_model_path")
-    check_rewards(args)
-    check_resume(args)
-    config = AutoConfig.from_pretrained(args.sft_model_path, trust_remote_code=args.trust_remote_code)
-    positions = getattr(config, "max_position_embeddings", None)
-    if positions is not None and args.max_prompt_length + args.response_length > positions:
-        fail("response_length", f"max_prompt_length + response_length = {args.max_prompt_length + args.response_length}"
-                                f" exceeds the model's {positions} positions")
-
-
 # ===========================================================================================================
 # The algorithm: the only functions that differ between the algorithm scripts. To try a new loss,
-# change these and steps 3-4 of the loop in the main block.
+# change these and steps 3-4 of the loop in main(), which follows them.
 # ===========================================================================================================
 
 def value_forward(value_model, query_responses, pad_token_id, context_length):
@@ -332,10 +282,265 @@ def explained_variance(values, returns, mask):
     return 1 - masked_var(returns - values, mask) / masked_var(returns, mask).clamp(min=1e-8)
 
 
+def main(args):
+    """The run: set-up (distributed, data, models and their DeepSpeed engines, vLLM and its generator thread on rank 0,
+    the run directory), then the loop, whose numbered steps are the algorithm."""
+    args.world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    validate(args)
+    rank, device = set_up_distributed(args)
+    if not torch.cuda.is_available():  # vLLM gets --vllm-cpu-cores of its own; the learner ranks share the others
+        torch.set_num_threads(max(1, (len(os.sched_getaffinity(0)) - args.vllm_cpu_cores) // args.world_size))
+    prompts_per_rank = args.local_batch_size
+    tokenizer, stop_id, train_prompts, eval_prompts, train_answers, eval_answers = load_data(args, prompts_per_rank)
+    run_name, run_dir = run_directory(args)
+
+    # Models and DeepSpeed engines: the policy and the value model train (two engines, each with its own AdamW and
+    # schedule; the value model starts from the reward model); the reference and reward models only run forward.
+    policy = training_engine(args, load_model(args, args.sft_model_path))
+    # The value model starts from the reward model or, with --rule-reward, from the SFT policy with a fresh score
+    # head, drawn from --seed on every rank (ZeRO-3 partitions each rank's own copy).
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(args.seed)
+        value_model = training_engine(args, load_model(args, args.reward_model_path or args.sft_model_path, reward=True))
+    ref_policy = frozen_engine(args, load_model(args, args.sft_model_path))
+    reward_model = frozen_engine(args, load_model(args, args.reward_model_path, reward=True))
+    gold_model = frozen_engine(args, load_model(args, args.gold_reward_model_path, reward=True))
+
+    start_update, episode, resumed_batches = 0, 0, []
+    if args.resume:
+        start_update, episode = load_checkpoint(latest_checkpoint(args.resume), {"policy": policy, "value_model": value_model})
+        resumed_batches = load_generated_batches(latest_checkpoint(args.resume))
+
+    # vLLM on rank 0 and its generator thread, fed the learner's weights as they change (start_generation).
+    off_policy_steps = 0 if args.sync else args.off_policy_steps  # K
+    generator, transfer, weights_dir, checked_names = start_generation(
+        args, policy, run_name, run_dir, rank, device, tokenizer, train_prompts, eval_prompts[:4], stop_id,
+        prompts_per_rank, 1, start_update, resumed_batches)
+
+    run_log = RunLog(args, run_dir, run_name, start_update)  # metrics.jsonl (rank 0), wandb with --track
+    if rank == 0:
+        print(f"run {run_dir}: {args.num_updates} updates of {args.batch_size} responses "
+              "(one per prompt)", flush=True)
+
+    pad = tokenizer.pad_token_id
+    progress = tqdm(total=args.num_updates * args.batch_size, initial=episode, unit="ep", disable=rank != 0)
+    if not args.resume:  # the curves start from the SFT policy
+        eval_metrics, samples = evaluate(args, policy, reward_model, gold_model, eval_prompts, eval_answers, tokenizer,
+                                         stop_id, device)
+        run_log.log(0, {**eval_metrics, "episode": 0}, samples)
+    start_time, start_episode = time.time(), episode
+    for update in range(start_update + 1, args.num_updates + 1):
+        # 1. Take the next batch from the generator: one response per prompt, generated by policy `batch.version`.
+        t0 = time.time()
+        batch = [generator.get() if rank == 0 else None]
+        dist.broadcast_object_list(batch, src=0)
+        batch = batch[0]
+        indices = prompt_batch(len(train_prompts), prompts_per_rank, update - 1, args.seed, rank, args.world_size)
+        queries = left_pad([train_prompts[i] for i in indices], pad, device)
+        answers = [train_answers[i] for i in indices]
+        context_length = queries.shape[1]
+        responses = truncate_response(right_pad(batch.responses[rank], pad, device), stop_id, pad)
+        query_responses = torch.cat([queries, responses], 1)
+        padding_mask = responses == pad  # everything after the response
+        behaviour_logprobs = right_pad(batch.logprobs[rank], 0.0, device).masked_fill(padding_mask, 0.0)
+        t1 = time.time()
+
+        # 2. Score: log-probabilities under the policy and the reference, values, reward-model scores.
+        logprobs, ref_logprobs, values, scores = [], [], [], []
+        with torch.no_grad():
+            for i in range(0, len(query_responses), args.per_device_train_batch_size):
+                chunk = query_responses[i: i + args.per_device_train_batch_size]
+                chunk_responses = chunk[:, context_length:]
+                logprobs.append(response_logprobs(forward(policy, chunk, pad).logits, chunk_responses,
+                                                  context_length, args.temperature))
+                ref_logprobs.append(response_logprobs(forward(ref_policy, chunk, pad).logits, chunk_responses,
+                                                      context_length, args.temperature))
+                values.append(value_forward(value_model, chunk, pad, context_length))
+                scores.append(score_responses(args, reward_model, chunk, context_length,
+                                              answers[i: i + args.per_device_train_batch_size], tokenizer))
+        logprobs = torch.cat(logprobs).masked_fill(padding_mask, 0.0)
+        ref_logprobs = torch.cat(ref_logprobs).masked_fill(padding_mask, 0.0)
+        values = torch.cat(values).masked_fill(padding_mask, 0.0)
+        raw_scores = torch.cat(scores)
+        scores = apply_missing_eos_penalty(raw_scores, responses, stop_id, args.missing_eos_penalty,
+                                           args.missing_eos_mode)
+
+        # 3. Per-token rewards, GAE advantages (whitened) and returns (not whitened), and the off-policy correction:
+        #    each token's importance weight pi_prox / pi_behaviour (the learner's over vLLM's), truncated at --is-cap.
+        kl = (logprobs - ref_logprobs).sum(1)
+        rewards = token_rewards(scores, logprobs, ref_logprobs, padding_mask, args.kl_coef)
+        advantages, returns = gae_advantages(rewards, values, padding_mask, args.gamma, args.lam)
+        advantages = masked_whiten(advantages, ~padding_mask).masked_fill(padding_mask, 0.0)
+        non_score_reward = -args.kl_coef * kl
+        rlhf_reward = scores + non_score_reward
+        is_weights, is_stats = truncated_importance_weights(logprobs, behaviour_logprobs, ~padding_mask, args.is_cap)
+        t2 = time.time()
+
+        # 4. PPO updates of the policy (importance-weighted) and the value model over mini-batches of this batch.
+        stats = {name: [] for name in ("loss", "value_loss", "approxkl", "clipfrac", "value_clipfrac", "ratio",
+                                       "entropy")}
+        local_mini_batch = args.local_batch_size // args.num_mini_batches
+        for _ in range(args.num_ppo_epochs):
+            order = torch.randperm(args.local_batch_size, device=device)
+            for mb_start in range(0, args.local_batch_size, local_mini_batch):
+                for mc_start in range(mb_start, mb_start + local_mini_batch, args.per_device_train_batch_size):
+                    idx = order[mc_start: mc_start + args.per_device_train_batch_size]
+                    mask = ~padding_mask[idx]
+                    logits = forward(policy, query_responses[idx], pad).logits
+                    new_logprobs = response_logprobs(logits, responses[idx], context_length, args.temperature)
+                    new_logprobs = new_logprobs.masked_fill(padding_mask[idx], 0.0)
+                    loss, log_ratio, ratio, clipped = ppo_policy_loss(new_logprobs, logprobs[idx], advantages[idx],
+                                                                      mask, args.cliprange, is_weights[idx])
+                    new_values = value_forward(value_model, query_responses[idx], pad, context_length)
+                    value_loss, value_clipped = ppo_value_loss(new_values, values[idx], returns[idx], mask,
+                                                               args.cliprange_value)
+                    policy.backward(loss)
+                    value_model.backward(args.vf_coef * value_loss)
+                    policy.step()
+                    value_model.step()
+                    with torch.no_grad():
+                        entropy = entropy_from_logits(logits[:, context_length - 1: -1] / args.temperature)
+                        stats["loss"].append(loss)
+                        stats["value_loss"].append(value_loss)
+                        stats["approxkl"].append(0.5 * masked_mean(log_ratio ** 2, mask))
+                        stats["clipfrac"].append(masked_mean(clipped.float(), mask))
+                        stats["value_clipfrac"].append(masked_mean(value_clipped.float(), mask))
+                        stats["ratio"].append(masked_mean(ratio, mask))
+                        stats["entropy"].append(masked_mean(entropy, mask))
+        t3 = time.time()
+
+        # 5. Hand the new weights to vLLM, if a later batch is to be generated by them.
+        waited = 0.0  # for the generator to finish batches of older policies: idle, like waiting for a batch
+        if generating_version(args.num_updates, start_update, off_policy_steps) >= update:
+            check = args.check_weights_every and (update == start_update + 1 or update % args.check_weights_every == 0)
+            expected = learner_weight_check(policy, eval_prompts[:4], checked_names, pad, device) if check else None
+            waited = hand_over_weights(policy, update, transfer=transfer, generator=generator,
+                                       weights_dir=weights_dir, expected=expected)
+        t4 = time.time()
+
+        # 6. Log, evaluate, save.
+        episode += args.batch_size
+        progress.update(args.batch_size)
+        step_means = {name: torch.stack(per_step).mean().item() for name, per_step in stats.items()}
+        metrics = mean_over_ranks({
+            "objective/scores": scores.mean().item(),
+            "objective/raw_scores": raw_scores.mean().item(),
+            "objective/kl": kl.mean().item(),
+            "objective/non_score_reward": non_score_reward.mean().item(),
+            "objective/rlhf_reward": rlhf_reward.mean().item(),
+            "objective/entropy": (-logprobs).sum(1).mean().item(),
+            "policy/entropy_avg": step_means["entropy"],
+            "loss/policy_avg": step_means["loss"],
+            "loss/value_avg": step_means["value_loss"],
+            "policy/approxkl_avg": step_means["approxkl"],
+            "policy/clipfrac_avg": step_means["clipfrac"],
+            "val/clipfrac_avg": step_means["value_clipfrac"],
+            "val/ratio": step_means["ratio"],
+            "val/ratio_var": torch.stack(stats["ratio"]).var().item() if len(stats["ratio"]) > 1 else 0.0,
+            "val/explained_variance": explained_variance(values, returns, ~padding_mask).item(),
+            "val/num_eos_tokens": (responses == stop_id).sum().item() * args.world_size,
+            "val/response_length": (~padding_mask).sum(1).float().mean().item(),
+            "async/off_policy_steps": update - 1 - batch.version,
+            "async/mismatch_kl": mismatch_kl(logprobs, behaviour_logprobs, ~padding_mask),
+            **is_stats,
+            "time/generation": batch.generation_time,
+            "time/generation_wait": t1 - t0 + waited,
+            "time/scoring": t2 - t1,
+            "time/training": t3 - t2,
+            "time/weight_sync": t4 - t3 - waited,
+            "time/weight_load": batch.load_time,
+        }, device)
+        metrics.update({"lr": policy.get_lr()[0], "episode": episode,
+                        "time/episodes_per_second": (episode - start_episode) / (time.time() - start_time)})
+        samples = None
+        if (args.eval_every and update % args.eval_every == 0) or update == args.num_updates:
+            eval_metrics, samples = evaluate(args, policy, reward_model, gold_model, eval_prompts, eval_answers, tokenizer,
+                                             stop_id, device)
+            metrics.update(eval_metrics)
+            if rank == 0:
+                tqdm.write(f"update {update}: " + ", ".join(f"{k} {v:.3f}" for k, v in eval_metrics.items()))
+                for query, response, score in samples[:2]:
+                    tqdm.write(f"  {query!r} -> {response!r} (score {score})")
+        run_log.log(update, metrics, samples)
+        progress.set_postfix(score=f"{metrics['objective/scores']:.3f}", kl=f"{metrics['objective/kl']:.2f}",
+                             eps=f"{metrics['time/episodes_per_second']:.0f}")
+        if (args.save_every and update % args.save_every == 0) or update == args.num_updates:
+            # The batches already generated for the next K updates go into the checkpoint: a resumed run trains
+            # on them as this one will, so that an asynchronous run resumes exactly.
+            ahead = generator.peek(min(off_policy_steps, args.num_updates - update)) if rank == 0 else []
+            save_checkpoint(args, run_dir, update, episode, {"policy": policy, "value_model": value_model},
+                            extra_files={GENERATED_BATCHES: [batch._asdict() for batch in ahead]})
+
+    progress.close()
+    if rank == 0:
+        generator.close()
+    run_log.close()
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 # ===========================================================================================================
-# Plumbing, identical in every script that has it (tests/test_shared_helpers.py keeps the copies equal):
-# data, generation, scoring, evaluation, checkpoints, distributed and run set-up. Change one, change all.
+# Appendix: argument checks (validate, each script's own), then the plumbing, identical in every script that has
+# it (tests/test_shared_helpers.py keeps the copies equal): data, generation, scoring, evaluation, checkpoints,
+# distributed and run set-up. Change one, change all.
 # ===========================================================================================================
+
+def validate(args):
+    """Check the arguments before any model is loaded; fill in the derived batch sizes."""
+    check_gpu_driver()
+    for name in ("per_device_train_batch_size", "gradient_accumulation_steps", "num_mini_batches",
+                 "num_ppo_epochs", "response_length", "max_prompt_length", "total_episodes", "num_eval_prompts"):
+        if getattr(args, name) < 1:
+            fail(name, f"must be at least 1, got {getattr(args, name)}")
+    for name in ("gamma", "lam"):
+        if not 0 <= getattr(args, name) <= 1:
+            fail(name, f"must be between 0 and 1, got {getattr(args, name)}")
+    if args.kl_coef < 0:
+        fail("kl_coef", f"must be 0 or more, got {args.kl_coef}")
+    for name in ("cliprange", "cliprange_value", "vf_coef"):
+        if getattr(args, name) <= 0:
+            fail(name, f"must be positive, got {getattr(args, name)}")
+    if args.off_policy_steps < 1:
+        fail("off_policy_steps", f"must be at least 1 (use --sync for on-policy), got {args.off_policy_steps}")
+    if args.is_cap < 0:
+        fail("is_cap", f"must be 0 (no correction) or positive, got {args.is_cap}")
+    if args.check_weights_every < 0:
+        fail("check_weights_every", f"must be 0 (never) or more, got {args.check_weights_every}")
+    if args.generation_timeout <= 0:
+        fail("generation_timeout", f"must be positive, got {args.generation_timeout}")
+    if args.weight_sync not in ("memory", "file"):
+        fail("weight_sync", f"must be memory or file, got {args.weight_sync!r}")
+    if args.vllm_gpu_memory_utilization is not None and not 0 < args.vllm_gpu_memory_utilization <= 1:
+        fail("vllm_gpu_memory_utilization", f"must be in (0, 1], got {args.vllm_gpu_memory_utilization}")
+    if not torch.cuda.is_available() and not 1 <= args.vllm_cpu_cores < len(os.sched_getaffinity(0)):
+        fail("vllm_cpu_cores", f"must leave the learner at least one of this machine's "
+                               f"{len(os.sched_getaffinity(0))} cores, got {args.vllm_cpu_cores}")
+    if args.temperature <= 0:
+        fail("temperature", f"must be positive, got {args.temperature}")
+    if args.missing_eos_mode not in ("add", "replace"):
+        fail("missing_eos_mode", f"must be add or replace, got {args.missing_eos_mode!r}")
+    if args.bf16 and torch.cuda.is_available() and not torch.cuda.is_bf16_supported(including_emulation=False):
+        fail("bf16", "this GPU has no native bfloat16 (compute capability 8.0 or later: A100, H100, L4, RTX 30xx); "
+                     "train in float32 with --no-bf16")
+    for name in ("eval_every", "save_every"):
+        if getattr(args, name) < 0:
+            fail(name, "must be 0 or more")
+    args.local_batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps * args.num_mini_batches
+    args.batch_size = args.local_batch_size * args.world_size
+    args.num_updates = args.total_episodes // args.batch_size
+    if args.num_updates < 1:
+        fail("total_episodes", f"must be at least one batch of {args.batch_size} responses")
+    check_files(args)
+    check_numbers(args)
+    check_model(args, "sft_model_path")
+    check_rewards(args)
+    check_resume(args)
+    config = AutoConfig.from_pretrained(args.sft_model_path, trust_remote_code=args.trust_remote_code)
+    positions = getattr(config, "max_position_embeddings", None)
+    if positions is not None and args.max_prompt_length + args.response_length > positions:
+        fail("response_length", f"max_prompt_length + response_length = {args.max_prompt_length + args.response_length}"
+                                f" exceeds the model's {positions} positions")
+
 
 def fail(argument, message):
     """Bad input: one line on stderr naming the argument, exit code 2."""
@@ -464,17 +669,28 @@ def check_resume(args):
                            "a resumed run must keep it")
 
 
+def read_dataset(args):
+    """--dataset-name through datasets' load_dataset (a directory of JSON lines or parquet files, or a hub id). Every
+    way it can fail is bad input: one line naming the argument, exit code 2."""
+    if not os.path.exists(args.dataset_name) and args.dataset_name.count("/") != 1:
+        fail("dataset_name", f"no such directory: {args.dataset_name}")
+    try:
+        return load_dataset(args.dataset_name)
+    except StopIteration:  # what datasets' JSON loader raises on an empty file
+        files = sorted(os.listdir(args.dataset_name)) if os.path.isdir(args.dataset_name) else []
+        empty = [f for f in files if os.path.getsize(os.path.join(args.dataset_name, f)) == 0]
+        fail("dataset_name", f"cannot load {args.dataset_name}: {', '.join(empty) or 'a data file'} is empty")
+    except (OSError, ValueError, DatasetGenerationError) as error:  # unreadable, a line that is not JSON, ...
+        cause = str(error.__cause__ or error).strip() or type(error).__name__
+        fail("dataset_name", f"cannot load {args.dataset_name}: {cause.splitlines()[0]}")
+
+
 def load_prompts(args, tokenizer):
     """Tokenised prompts of the train and eval splits (lists of token-id lists) and, with --rule-reward, their
     answers (else Nones). A prompt is the `query` column's text, or the `messages` column's chat rendered with
     the tokenizer's chat template and the generation prompt (a last assistant turn, the reference reply, is
     left out, as in No Robots)."""
-    if not os.path.exists(args.dataset_name) and args.dataset_name.count("/") != 1:
-        fail("dataset_name", f"no such directory: {args.dataset_name}")
-    try:
-        dataset = load_dataset(args.dataset_name)
-    except (OSError, ValueError) as error:  # an unreadable file, an empty split, ...
-        fail("dataset_name", f"cannot load {args.dataset_name}: {str(error).splitlines()[0]}")
+    dataset = read_dataset(args)
     prompts, answers = {}, {}
     for argument in ("dataset_train_split", "dataset_eval_split"):
         split = getattr(args, argument)
@@ -883,11 +1099,11 @@ def load_model(args, path, reward=False):
     token that load_tokenizer may add is never read by a model."""
     if path is None:
         return None
-    load = dict(dtype=torch.bfloat16 if args.bf16 else torch.float32, trust_remote_code=args.trust_remote_code)
+    dtype_and_code = dict(dtype=torch.bfloat16 if args.bf16 else torch.float32, trust_remote_code=args.trust_remote_code)
     if reward:
-        model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, **load)
+        model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, **dtype_and_code)
     else:
-        model = AutoModelForCausalLM.from_pretrained(path, **load)
+        model = AutoModelForCausalLM.from_pretrained(path, **dtype_and_code)
     disable_dropout(model)
     return model
 
@@ -1484,7 +1700,7 @@ def hand_over_weights(policy, version, *, transfer, generator, weights_dir, expe
                 transfer.send_weights()
         except Exception as error:
             if generator is not None:  # the likeliest cause: vLLM's engine died ("the generator failed: ...")
-                generator._raise_if_generator_failed()
+                generator.raise_if_failed()
             raise RuntimeError(f"handing version {version} of the policy to vLLM failed: {error}") from error
     if generator is not None:
         generator.publish(version, path, finish=getattr(transfer, "finish", None), expected=expected)
@@ -1578,6 +1794,56 @@ def generating_version(update, first_version, off_policy_steps):
     return max(first_version, update - 1 - off_policy_steps)
 
 
+def start_generation(args, policy, run_name, run_dir, rank, device, tokenizer, train_prompts, probe, stop_id,
+                     prompts_per_rank, k, start_update, resumed_batches):
+    """vLLM on rank 0, started from the learner's weights (version start_update: the SFT policy, or the resumed one)
+    in a save_pretrained directory, and its generator thread, started; the weight check's first pass; the in-memory
+    hand-off connected. The later versions go in memory (--weight-sync memory, vLLM's weight transfer) or through
+    such directories, in /dev/shm when it has room for the K + 1 versions that can be on their way at once, else in
+    the run directory; each is deleted once vLLM has loaded it. Rank 0's process id keeps two runs of one name (a
+    sweep) apart. Every rank calls this; returns (rank 0's GenerationThread, else None; the hand-off, weight_transfer(),
+    or None; the directory of the versions; the parameters whose digests the weight check compares, None: all)."""
+    off_policy_steps = 0 if args.sync else args.off_policy_steps  # K
+    version_bytes = sum(getattr(p, "ds_numel", p.numel()) for p in policy.module.parameters()) * (2 if args.bf16 else 4)
+    copies = off_policy_steps + 1 if args.weight_sync == "file" else 1
+    root = weights_root(run_dir, copies * version_bytes) if rank == 0 else run_dir  # only rank 0 writes
+    weights_dir = os.path.join(root, f"{run_name}-{os.getpid()}-weights")
+    exit_on_signals()
+    atexit.register(shutil.rmtree, weights_dir, ignore_errors=True)
+    first = os.path.join(weights_dir, f"policy-{start_update}")
+    save_for_vllm(policy, first)
+    llm = generator = None
+    if rank == 0:
+        AutoTokenizer.from_pretrained(args.sft_model_path, trust_remote_code=args.trust_remote_code).save_pretrained(first)
+        llm = start_vllm(args, first, args.weight_sync == "memory")
+        shutil.rmtree(first)
+        generator = GenerationThread(args, llm, weights_dir=weights_dir, train_prompts=train_prompts,
+                              prompts_per_rank=prompts_per_rank, k=k, stop_id=stop_id, first_version=start_update,
+                              off_policy_steps=off_policy_steps, probe=probe, resumed_batches=resumed_batches)
+        atexit.register(generator.close)  # on every way out: the end, an error, Ctrl-C, SIGTERM
+    # The weight check (--check-weights-every): vLLM's log-probabilities of the probe against the learner's, and the
+    # digests of the parameters vLLM keeps as the learner does (found now: every one on a GPU; on a CPU vLLM repacks
+    # its linear layers, so embeddings and norms), first here, then after hand-offs.
+    checked_names = [None]
+    if args.check_weights_every:
+        expected = learner_weight_check(policy, probe, None, tokenizer.pad_token_id, device)
+        if rank == 0:
+            digests = vllm_digests(llm)
+            checked_names = [sorted(n for n, d in expected.digests.items() if digests.get(n) == d)]
+            try:
+                check_vllm_weights(llm, start_update, probe,
+                                   expected._replace(digests={n: expected.digests[n] for n in checked_names[0]}), args.bf16)
+            except WeightsDiffer as error:
+                sys.exit(f"error: {error}")
+        dist.broadcast_object_list(checked_names, src=0)
+    # The in-memory hand-off connects before the generator starts: then only its thread uses vLLM (but while it waits
+    # for weights, see wait_for_receiver()).
+    transfer = weight_transfer(args, llm, policy.module, rank) if args.weight_sync == "memory" else None
+    if rank == 0:
+        generator.start()
+    return generator, transfer, weights_dir, checked_names[0]
+
+
 class GeneratedBatch(NamedTuple):
     """One update's batch: the policy version that generated it, each rank's responses (sample j of prompt i at
     j * prompts_per_rank + i) and their tokens' log-probabilities under that version (the behaviour policy), and
@@ -1601,7 +1867,7 @@ def load_generated_batches(checkpoint):
         return [GeneratedBatch(**batch) for batch in json.load(f)]
 
 
-class Generator:
+class GenerationThread:
     """vLLM on rank 0, generating in a background thread while the learner trains.
 
     The engine runs in its own process, so generation and training overlap; this thread only feeds it, one batch
@@ -1637,7 +1903,7 @@ class Generator:
         """Wait until the generator has generated every batch of older policies and waits for this version: then the
         learner may replace vLLM's weights in memory."""
         ready = self._take(self.receivers, f"the generator to take version {version} of the policy",
-                           check=self._raise_if_generator_failed)
+                           check=self.raise_if_failed)
         assert ready == version, (ready, version)
 
     def get(self):
@@ -1645,13 +1911,13 @@ class Generator:
         soon as either happens."""
         if self.ahead:
             return self.ahead.popleft()
-        return self._take(self.batches, "a generation batch", check=self._raise_if_generator_failed)
+        return self._take(self.batches, "a generation batch", check=self.raise_if_failed)
 
     def peek(self, n):
         """The next n batches, left for get(): for a checkpoint, which keeps the batches generated for the next K
         updates (by policies older than the checkpoint's, so they are waited for, not regenerated on resume)."""
         while len(self.ahead) < n:
-            self.ahead.append(self._take(self.batches, "a generation batch", check=self._raise_if_generator_failed))
+            self.ahead.append(self._take(self.batches, "a generation batch", check=self.raise_if_failed))
         return list(self.ahead)[:n]
 
     def close(self):
@@ -1665,7 +1931,7 @@ class Generator:
             self.thread.join(timeout=5)  # a daemon: if it is stuck in a dead engine, the process exits without it
         shutil.rmtree(self.weights_dir, ignore_errors=True)
 
-    def _raise_if_generator_failed(self):
+    def raise_if_failed(self):
         if isinstance(self.error, WeightsDiffer):
             raise SystemExit(f"error: {self.error}")
         if self.error is not None:
@@ -1725,233 +1991,4 @@ class Generator:
 
 
 if __name__ == "__main__":
-    args = tyro.cli(Args)
-    args.world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    validate(args)
-    rank, device = set_up_distributed(args)
-    if not torch.cuda.is_available():  # vLLM gets --vllm-cpu-cores of its own; the learner ranks share the others
-        torch.set_num_threads(max(1, (len(os.sched_getaffinity(0)) - args.vllm_cpu_cores) // args.world_size))
-    prompts_per_rank = args.local_batch_size
-    tokenizer, stop_id, train_prompts, eval_prompts, train_answers, eval_answers = load_data(args, prompts_per_rank)
-    run_name, run_dir = run_directory(args)
-
-    # Models and DeepSpeed engines: the policy and the value model train (two engines, each with its own AdamW and
-    # schedule; the value model starts from the reward model); the reference and reward models only run forward.
-    policy = training_engine(args, load_model(args, args.sft_model_path))
-    # The value model starts from the reward model or, with --rule-reward, from the SFT policy with a fresh score
-    # head, drawn from --seed on every rank (ZeRO-3 partitions each rank's own copy).
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(args.seed)
-        value_model = training_engine(args, load_model(args, args.reward_model_path or args.sft_model_path, reward=True))
-    ref_policy = frozen_engine(args, load_model(args, args.sft_model_path))
-    reward_model = frozen_engine(args, load_model(args, args.reward_model_path, reward=True))
-    gold_model = frozen_engine(args, load_model(args, args.gold_reward_model_path, reward=True))
-
-    start_update, episode, resumed_batches = 0, 0, []
-    if args.resume:
-        start_update, episode = load_checkpoint(latest_checkpoint(args.resume), {"policy": policy, "value_model": value_model})
-        resumed_batches = load_generated_batches(latest_checkpoint(args.resume))
-
-    # vLLM on rank 0, started from the learner's weights (version start_update: the SFT policy, or the resumed one)
-    # in a save_pretrained directory. The later versions go in memory (--weight-sync memory, vLLM's weight transfer)
-    # or through such directories, in /dev/shm when it has room for the K + 1 versions that can be on their way at
-    # once, else in the run directory; each is deleted once vLLM has loaded it. Rank 0's process id keeps two runs
-    # of one name (a sweep) apart.
-    off_policy_steps = 0 if args.sync else args.off_policy_steps  # K
-    version_bytes = sum(getattr(p, "ds_numel", p.numel()) for p in policy.module.parameters()) * (2 if args.bf16 else 4)
-    copies = off_policy_steps + 1 if args.weight_sync == "file" else 1
-    root = weights_root(run_dir, copies * version_bytes) if rank == 0 else run_dir  # only rank 0 writes
-    weights_dir = os.path.join(root, f"{run_name}-{os.getpid()}-weights")
-    exit_on_signals()
-    atexit.register(shutil.rmtree, weights_dir, ignore_errors=True)
-    save_for_vllm(policy, os.path.join(weights_dir, f"policy-{start_update}"))
-    if rank == 0:
-        AutoTokenizer.from_pretrained(args.sft_model_path, trust_remote_code=args.trust_remote_code).save_pretrained(
-            os.path.join(weights_dir, f"policy-{start_update}"))
-        llm = start_vllm(args, os.path.join(weights_dir, f"policy-{start_update}"), args.weight_sync == "memory")
-        shutil.rmtree(os.path.join(weights_dir, f"policy-{start_update}"))
-        generator = Generator(args, llm, weights_dir=weights_dir, train_prompts=train_prompts,
-                              prompts_per_rank=prompts_per_rank, k=1, stop_id=stop_id, first_version=start_update,
-                              off_policy_steps=off_policy_steps, probe=eval_prompts[:4], resumed_batches=resumed_batches)
-        atexit.register(generator.close)  # on every way out: the end, an error, Ctrl-C, SIGTERM
-    # The weight check (--check-weights-every): vLLM's log-probabilities of a probe (4 eval prompts) against the
-    # learner's, and the digests of the parameters vLLM keeps as the learner does (found now: every one on a GPU; on
-    # a CPU vLLM repacks its linear layers, so embeddings and norms), first here, then after hand-offs.
-    checked_names = [None]
-    if args.check_weights_every:
-        expected = learner_weight_check(policy, eval_prompts[:4], None, tokenizer.pad_token_id, device)
-        if rank == 0:
-            digests = vllm_digests(llm)
-            checked_names = [sorted(n for n, d in expected.digests.items() if digests.get(n) == d)]
-            try:
-                check_vllm_weights(llm, start_update, eval_prompts[:4],
-                                   expected._replace(digests={n: expected.digests[n] for n in checked_names[0]}), args.bf16)
-            except WeightsDiffer as error:
-                sys.exit(f"error: {error}")
-        dist.broadcast_object_list(checked_names, src=0)
-    # The in-memory hand-off connects before the generator starts: then only its thread uses vLLM (but while it waits
-    # for weights, see wait_for_receiver()).
-    transfer = weight_transfer(args, llm if rank == 0 else None, policy.module, rank) if args.weight_sync == "memory" else None
-    if rank == 0:
-        generator.start()
-
-    run_log = RunLog(args, run_dir, run_name, start_update)  # metrics.jsonl (rank 0), wandb with --track
-    if rank == 0:
-        print(f"run {run_dir}: {args.num_updates} updates of {args.batch_size} responses "
-              "(one per prompt)", flush=True)
-
-    pad = tokenizer.pad_token_id
-    progress = tqdm(total=args.num_updates * args.batch_size, initial=episode, unit="ep", disable=rank != 0)
-    if not args.resume:  # the curves start from the SFT policy
-        eval_metrics, samples = evaluate(args, policy, reward_model, gold_model, eval_prompts, eval_answers, tokenizer,
-                                         stop_id, device)
-        run_log.log(0, {**eval_metrics, "episode": 0}, samples)
-    start_time, start_episode = time.time(), episode
-    for update in range(start_update + 1, args.num_updates + 1):
-        # 1. Take the next batch from the generator: one response per prompt, generated by policy `batch.version`.
-        t0 = time.time()
-        batch = [generator.get() if rank == 0 else None]
-        dist.broadcast_object_list(batch, src=0)
-        batch = batch[0]
-        indices = prompt_batch(len(train_prompts), prompts_per_rank, update - 1, args.seed, rank, args.world_size)
-        queries = left_pad([train_prompts[i] for i in indices], pad, device)
-        answers = [train_answers[i] for i in indices]
-        context_length = queries.shape[1]
-        responses = truncate_response(right_pad(batch.responses[rank], pad, device), stop_id, pad)
-        query_responses = torch.cat([queries, responses], 1)
-        padding_mask = responses == pad  # everything after the response
-        behaviour_logprobs = right_pad(batch.logprobs[rank], 0.0, device).masked_fill(padding_mask, 0.0)
-        t1 = time.time()
-
-        # 2. Score: log-probabilities under the policy and the reference, values, reward-model scores.
-        logprobs, ref_logprobs, values, scores = [], [], [], []
-        with torch.no_grad():
-            for i in range(0, len(query_responses), args.per_device_train_batch_size):
-                chunk = query_responses[i: i + args.per_device_train_batch_size]
-                chunk_responses = chunk[:, context_length:]
-                logprobs.append(response_logprobs(forward(policy, chunk, pad).logits, chunk_responses,
-                                                  context_length, args.temperature))
-                ref_logprobs.append(response_logprobs(forward(ref_policy, chunk, pad).logits, chunk_responses,
-                                                      context_length, args.temperature))
-                values.append(value_forward(value_model, chunk, pad, context_length))
-                scores.append(score_responses(args, reward_model, chunk, context_length,
-                                              answers[i: i + args.per_device_train_batch_size], tokenizer))
-        logprobs = torch.cat(logprobs).masked_fill(padding_mask, 0.0)
-        ref_logprobs = torch.cat(ref_logprobs).masked_fill(padding_mask, 0.0)
-        values = torch.cat(values).masked_fill(padding_mask, 0.0)
-        raw_scores = torch.cat(scores)
-        scores = apply_missing_eos_penalty(raw_scores, responses, stop_id, args.missing_eos_penalty,
-                                           args.missing_eos_mode)
-
-        # 3. Per-token rewards, GAE advantages (whitened) and returns (not whitened), and the off-policy correction:
-        #    each token's importance weight pi_prox / pi_behaviour (the learner's over vLLM's), truncated at --is-cap.
-        kl = (logprobs - ref_logprobs).sum(1)
-        rewards = token_rewards(scores, logprobs, ref_logprobs, padding_mask, args.kl_coef)
-        advantages, returns = gae_advantages(rewards, values, padding_mask, args.gamma, args.lam)
-        advantages = masked_whiten(advantages, ~padding_mask).masked_fill(padding_mask, 0.0)
-        non_score_reward = -args.kl_coef * kl
-        rlhf_reward = scores + non_score_reward
-        is_weights, is_stats = truncated_importance_weights(logprobs, behaviour_logprobs, ~padding_mask, args.is_cap)
-        t2 = time.time()
-
-        # 4. PPO updates of the policy (importance-weighted) and the value model over mini-batches of this batch.
-        stats = {name: [] for name in ("loss", "value_loss", "approxkl", "clipfrac", "value_clipfrac", "ratio",
-                                       "entropy")}
-        local_mini_batch = args.local_batch_size // args.num_mini_batches
-        for _ in range(args.num_ppo_epochs):
-            order = torch.randperm(args.local_batch_size, device=device)
-            for mb_start in range(0, args.local_batch_size, local_mini_batch):
-                for mc_start in range(mb_start, mb_start + local_mini_batch, args.per_device_train_batch_size):
-                    idx = order[mc_start: mc_start + args.per_device_train_batch_size]
-                    mask = ~padding_mask[idx]
-                    logits = forward(policy, query_responses[idx], pad).logits
-                    new_logprobs = response_logprobs(logits, responses[idx], context_length, args.temperature)
-                    new_logprobs = new_logprobs.masked_fill(padding_mask[idx], 0.0)
-                    loss, log_ratio, ratio, clipped = ppo_policy_loss(new_logprobs, logprobs[idx], advantages[idx],
-                                                                      mask, args.cliprange, is_weights[idx])
-                    new_values = value_forward(value_model, query_responses[idx], pad, context_length)
-                    value_loss, value_clipped = ppo_value_loss(new_values, values[idx], returns[idx], mask,
-                                                               args.cliprange_value)
-                    policy.backward(loss)
-                    value_model.backward(args.vf_coef * value_loss)
-                    policy.step()
-                    value_model.step()
-                    with torch.no_grad():
-                        entropy = entropy_from_logits(logits[:, context_length - 1: -1] / args.temperature)
-                        stats["loss"].append(loss)
-                        stats["value_loss"].append(value_loss)
-                        stats["approxkl"].append(0.5 * masked_mean(log_ratio ** 2, mask))
-                        stats["clipfrac"].append(masked_mean(clipped.float(), mask))
-                        stats["value_clipfrac"].append(masked_mean(value_clipped.float(), mask))
-                        stats["ratio"].append(masked_mean(ratio, mask))
-                        stats["entropy"].append(masked_mean(entropy, mask))
-        t3 = time.time()
-
-        # 5. Hand the new weights to vLLM, if a later batch is to be generated by them.
-        waited = 0.0  # for the generator to finish batches of older policies: idle, like waiting for a batch
-        if generating_version(args.num_updates, start_update, off_policy_steps) >= update:
-            check = args.check_weights_every and (update == start_update + 1 or update % args.check_weights_every == 0)
-            expected = learner_weight_check(policy, eval_prompts[:4], checked_names[0], pad, device) if check else None
-            waited = hand_over_weights(policy, update, transfer=transfer, generator=generator if rank == 0 else None,
-                                       weights_dir=weights_dir, expected=expected)
-        t4 = time.time()
-
-        # 6. Log, evaluate, save.
-        episode += args.batch_size
-        progress.update(args.batch_size)
-        mean = {name: torch.stack(per_step).mean().item() for name, per_step in stats.items()}
-        metrics = mean_over_ranks({
-            "objective/scores": scores.mean().item(),
-            "objective/raw_scores": raw_scores.mean().item(),
-            "objective/kl": kl.mean().item(),
-            "objective/non_score_reward": non_score_reward.mean().item(),
-            "objective/rlhf_reward": rlhf_reward.mean().item(),
-            "objective/entropy": (-logprobs).sum(1).mean().item(),
-            "policy/entropy_avg": mean["entropy"],
-            "loss/policy_avg": mean["loss"],
-            "loss/value_avg": mean["value_loss"],
-            "policy/approxkl_avg": mean["approxkl"],
-            "policy/clipfrac_avg": mean["clipfrac"],
-            "val/clipfrac_avg": mean["value_clipfrac"],
-            "val/ratio": mean["ratio"],
-            "val/ratio_var": torch.stack(stats["ratio"]).var().item() if len(stats["ratio"]) > 1 else 0.0,
-            "val/explained_variance": explained_variance(values, returns, ~padding_mask).item(),
-            "val/num_eos_tokens": (responses == stop_id).sum().item() * args.world_size,
-            "val/response_length": (~padding_mask).sum(1).float().mean().item(),
-            "async/off_policy_steps": update - 1 - batch.version,
-            "async/mismatch_kl": mismatch_kl(logprobs, behaviour_logprobs, ~padding_mask),
-            **is_stats,
-            "time/generation": batch.generation_time,
-            "time/generation_wait": t1 - t0 + waited,
-            "time/scoring": t2 - t1,
-            "time/training": t3 - t2,
-            "time/weight_sync": t4 - t3 - waited,
-            "time/weight_load": batch.load_time,
-        }, device)
-        metrics.update({"lr": policy.get_lr()[0], "episode": episode,
-                        "time/episodes_per_second": (episode - start_episode) / (time.time() - start_time)})
-        samples = None
-        if (args.eval_every and update % args.eval_every == 0) or update == args.num_updates:
-            eval_metrics, samples = evaluate(args, policy, reward_model, gold_model, eval_prompts, eval_answers, tokenizer,
-                                             stop_id, device)
-            metrics.update(eval_metrics)
-            if rank == 0:
-                tqdm.write(f"update {update}: " + ", ".join(f"{k} {v:.3f}" for k, v in eval_metrics.items()))
-                for query, response, score in samples[:2]:
-                    tqdm.write(f"  {query!r} -> {response!r} (score {score})")
-        run_log.log(update, metrics, samples)
-        progress.set_postfix(score=f"{metrics['objective/scores']:.3f}", kl=f"{metrics['objective/kl']:.2f}",
-                             eps=f"{metrics['time/episodes_per_second']:.0f}")
-        if (args.save_every and update % args.save_every == 0) or update == args.num_updates:
-            # The batches already generated for the next K updates go into the checkpoint: a resumed run trains
-            # on them as this one will, so that an asynchronous run resumes exactly.
-            ahead = generator.peek(min(off_policy_steps, args.num_updates - update)) if rank == 0 else []
-            save_checkpoint(args, run_dir, update, episode, {"policy": policy, "value_model": value_model},
-                            extra_files={GENERATED_BATCHES: [batch._asdict() for batch in ahead]})
-
-    progress.close()
-    if rank == 0:
-        generator.close()
-    run_log.close()
-    dist.barrier()
-    dist.destroy_process_group()
+    main(tyro.cli(Args))

@@ -35,6 +35,7 @@ import deepspeed
 import torch.distributed as dist
 import tyro
 from datasets import load_dataset
+from datasets.exceptions import DatasetGenerationError
 from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
 from deepspeed.runtime.zero.stage3 import unwrap_model_for_generation
@@ -136,6 +137,183 @@ class Args:
     """(set at run time) number of generation batches"""
 
 
+# ===========================================================================================================
+# The algorithm: the only functions that differ between the algorithm scripts. To try a new loss,
+# change these and steps 3-4 of the loop in main(), which follows them.
+# ===========================================================================================================
+
+def rloo_advantages(rewards, k):
+    """Reward minus the mean reward of the other k-1 responses to the same prompt.
+
+    `rewards` holds k blocks of the same prompts: index j * num_prompts + i is sample j of prompt i."""
+    rewards = rewards.view(k, -1)
+    baseline = (rewards.sum(0, keepdim=True) - rewards) / (k - 1)
+    return (rewards - baseline).flatten()
+
+
+def rloo_policy_loss(new_logprobs, old_logprobs, advantages, cliprange):
+    """Clipped surrogate loss on sequence-level ratios; returns (loss, log_ratio, ratio, clipped)."""
+    log_ratio = new_logprobs.sum(1) - old_logprobs.sum(1)
+    ratio = torch.exp(log_ratio)
+    pg_losses = -advantages * ratio
+    pg_losses_clipped = -advantages * torch.clamp(ratio, 1.0 - cliprange, 1.0 + cliprange)
+    return torch.max(pg_losses, pg_losses_clipped).mean(), log_ratio, ratio, pg_losses_clipped > pg_losses
+
+
+def main(args):
+    """The run: set-up (distributed, data, models and their DeepSpeed engines, the run directory), then the loop,
+    whose numbered steps are the algorithm."""
+    args.world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    validate(args)
+    rank, device = set_up_distributed(args)
+    prompts_per_rank = args.local_batch_size // args.k
+    tokenizer, stop_id, train_prompts, eval_prompts, train_answers, eval_answers = load_data(args, prompts_per_rank)
+    run_name, run_dir = run_directory(args)
+
+    # Models and DeepSpeed engines: the policy trains; the reference and reward models only run forward.
+    policy = training_engine(args, load_model(args, args.sft_model_path))
+    ref_policy = frozen_engine(args, load_model(args, args.sft_model_path))
+    reward_model = frozen_engine(args, load_model(args, args.reward_model_path, reward=True))
+    gold_model = frozen_engine(args, load_model(args, args.gold_reward_model_path, reward=True))
+
+    start_update, episode = 0, 0
+    if args.resume:
+        start_update, episode = load_checkpoint(latest_checkpoint(args.resume), {"policy": policy})
+
+    run_log = RunLog(args, run_dir, run_name, start_update)  # metrics.jsonl (rank 0), wandb with --track
+    if rank == 0:
+        print(f"run {run_dir}: {args.num_updates} updates of {args.batch_size} responses "
+              f"({args.batch_size // args.k} prompts x {args.k})", flush=True)
+
+    pad = tokenizer.pad_token_id
+    progress = tqdm(total=args.num_updates * args.batch_size, initial=episode, unit="ep", disable=rank != 0)
+    if not args.resume:  # the curves start from the SFT policy
+        eval_metrics, samples = evaluate(args, policy, reward_model, gold_model, eval_prompts, eval_answers, tokenizer,
+                                         stop_id, device)
+        run_log.log(0, {**eval_metrics, "episode": 0}, samples)
+    start_time, start_episode = time.time(), episode
+    for update in range(start_update + 1, args.num_updates + 1):
+        # 1. Generate k responses per prompt with the current policy.
+        t0 = time.time()
+        indices = prompt_batch(len(train_prompts), prompts_per_rank, update - 1, args.seed, rank, args.world_size)
+        queries = left_pad([train_prompts[i] for i in indices], pad, device).repeat(args.k, 1)
+        answers = [train_answers[i] for i in indices] * args.k  # the k blocks of queries
+        context_length = queries.shape[1]
+        with unwrapped_for_generation(policy) as model:
+            responses = generate(model, queries, pad, stop_id, args.response_length, args.temperature)
+        responses = truncate_response(responses, stop_id, pad)
+        query_responses = torch.cat([queries, responses], 1)
+        padding_mask = responses == pad  # everything after the response
+        t1 = time.time()
+
+        # 2. Score: log-probabilities under the policy and the reference, reward-model scores. When the batch is
+        #    trained on in one step (one epoch, one micro-batch), the ratio to the sampling policy is exactly 1:
+        #    the policy's log-probabilities come from that step's forward, run here, not from an extra pass.
+        one_step = args.num_ppo_epochs == 1 and args.per_device_train_batch_size == args.local_batch_size
+        logprobs, ref_logprobs, scores = [], [], []
+        if one_step:
+            batch_logits = forward(policy, query_responses, pad).logits  # with gradients: step 4 trains on them
+            logprobs.append(response_logprobs(batch_logits, responses, context_length, args.temperature).detach())
+        with torch.no_grad():
+            for i in range(0, len(query_responses), args.per_device_train_batch_size):
+                chunk = query_responses[i: i + args.per_device_train_batch_size]
+                chunk_responses = chunk[:, context_length:]
+                if not one_step:
+                    logprobs.append(response_logprobs(forward(policy, chunk, pad).logits, chunk_responses,
+                                                      context_length, args.temperature))
+                ref_logprobs.append(response_logprobs(forward(ref_policy, chunk, pad).logits, chunk_responses,
+                                                      context_length, args.temperature))
+                scores.append(score_responses(args, reward_model, chunk, context_length,
+                                              answers[i: i + args.per_device_train_batch_size], tokenizer))
+        logprobs = torch.cat(logprobs).masked_fill(padding_mask, 0.0)
+        ref_logprobs = torch.cat(ref_logprobs).masked_fill(padding_mask, 0.0)
+        raw_scores = torch.cat(scores)
+        scores = apply_missing_eos_penalty(raw_scores, responses, stop_id, args.missing_eos_penalty,
+                                           args.missing_eos_mode)
+
+        # 3. Rewards and leave-one-out advantages.
+        kl = (logprobs - ref_logprobs).sum(1)
+        non_score_reward = -args.kl_coef * kl
+        rlhf_reward = scores + non_score_reward
+        advantages = rloo_advantages(rlhf_reward, args.k)
+        t2 = time.time()
+
+        # 4. PPO-style clipped updates over mini-batches of this generation batch.
+        stats = {name: [] for name in ("loss", "approxkl", "clipfrac", "ratio", "entropy")}
+        local_mini_batch = args.local_batch_size // args.num_mini_batches
+        for _ in range(args.num_ppo_epochs):
+            order = torch.randperm(args.local_batch_size, device=device)
+            for mb_start in range(0, args.local_batch_size, local_mini_batch):
+                for mc_start in range(mb_start, mb_start + local_mini_batch, args.per_device_train_batch_size):
+                    idx = order[mc_start: mc_start + args.per_device_train_batch_size]
+                    logits = batch_logits[idx] if one_step else forward(policy, query_responses[idx], pad).logits
+                    new_logprobs = response_logprobs(logits, responses[idx], context_length, args.temperature)
+                    new_logprobs = new_logprobs.masked_fill(padding_mask[idx], 0.0)
+                    loss, log_ratio, ratio, clipped = rloo_policy_loss(new_logprobs, logprobs[idx], advantages[idx],
+                                                                       args.cliprange)
+                    policy.backward(loss)
+                    policy.step()
+                    with torch.no_grad():
+                        entropy = entropy_from_logits(logits[:, context_length - 1: -1] / args.temperature)
+                        stats["loss"].append(loss)
+                        stats["approxkl"].append(0.5 * (log_ratio ** 2).mean())
+                        stats["clipfrac"].append(clipped.float().mean())
+                        stats["ratio"].append(ratio.mean())
+                        stats["entropy"].append(masked_mean(entropy, ~padding_mask[idx]))
+        t3 = time.time()
+
+        # 5. Log, evaluate, save.
+        episode += args.batch_size
+        progress.update(args.batch_size)
+        step_means = {name: torch.stack(per_step).mean().item() for name, per_step in stats.items()}
+        metrics = mean_over_ranks({
+            "objective/scores": scores.mean().item(),
+            "objective/raw_scores": raw_scores.mean().item(),
+            "objective/kl": kl.mean().item(),
+            "objective/non_score_reward": non_score_reward.mean().item(),
+            "objective/rlhf_reward": rlhf_reward.mean().item(),
+            "objective/entropy": (-logprobs).sum(1).mean().item(),
+            "policy/entropy_avg": step_means["entropy"],
+            "loss/policy_avg": step_means["loss"],
+            "policy/approxkl_avg": step_means["approxkl"],
+            "policy/clipfrac_avg": step_means["clipfrac"],
+            "val/ratio": step_means["ratio"],
+            "val/ratio_var": torch.stack(stats["ratio"]).var().item() if len(stats["ratio"]) > 1 else 0.0,
+            "val/num_eos_tokens": (responses == stop_id).sum().item() * args.world_size,
+            "val/response_length": (~padding_mask).sum(1).float().mean().item(),
+            "time/generation": t1 - t0,
+            "time/scoring": t2 - t1,
+            "time/training": t3 - t2,
+        }, device)
+        metrics.update({"lr": policy.get_lr()[0], "episode": episode,
+                        "time/episodes_per_second": (episode - start_episode) / (time.time() - start_time)})
+        samples = None
+        if (args.eval_every and update % args.eval_every == 0) or update == args.num_updates:
+            eval_metrics, samples = evaluate(args, policy, reward_model, gold_model, eval_prompts, eval_answers, tokenizer,
+                                             stop_id, device)
+            metrics.update(eval_metrics)
+            if rank == 0:
+                tqdm.write(f"update {update}: " + ", ".join(f"{k} {v:.3f}" for k, v in eval_metrics.items()))
+                for query, response, score in samples[:2]:
+                    tqdm.write(f"  {query!r} -> {response!r} (score {score})")
+        run_log.log(update, metrics, samples)
+        progress.set_postfix(score=f"{metrics['objective/scores']:.3f}", kl=f"{metrics['objective/kl']:.2f}",
+                             eps=f"{metrics['time/episodes_per_second']:.0f}")
+        if (args.save_every and update % args.save_every == 0) or update == args.num_updates:
+            save_checkpoint(args, run_dir, update, episode, {"policy": policy})
+
+    progress.close()
+    run_log.close()
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+# ===========================================================================================================
+# Appendix: argument checks (validate, each script's own), then the plumbing, identical in every script that has
+# it (tests/test_shared_helpers.py keeps the copies equal): data, generation, scoring, evaluation, checkpoints,
+# distributed and run set-up. Change one, change all.
+# ===========================================================================================================
+
 def validate(args):
     """Check the arguments before any model is loaded; fill in the derived batch sizes."""
     check_gpu_driver()
@@ -178,34 +356,6 @@ def validate(args):
         fail("response_length", f"max_prompt_length + response_length = {args.max_prompt_length + args.response_length}"
                                 f" exceeds the model's {positions} positions")
 
-
-# ===========================================================================================================
-# The algorithm: the only functions that differ between the algorithm scripts. To try a new loss,
-# change these and steps 3-4 of the loop in the main block.
-# ===========================================================================================================
-
-def rloo_advantages(rewards, k):
-    """Reward minus the mean reward of the other k-1 responses to the same prompt.
-
-    `rewards` holds k blocks of the same prompts: index j * num_prompts + i is sample j of prompt i."""
-    rewards = rewards.view(k, -1)
-    baseline = (rewards.sum(0, keepdim=True) - rewards) / (k - 1)
-    return (rewards - baseline).flatten()
-
-
-def rloo_policy_loss(new_logprobs, old_logprobs, advantages, cliprange):
-    """Clipped surrogate loss on sequence-level ratios; returns (loss, log_ratio, ratio, clipped)."""
-    log_ratio = new_logprobs.sum(1) - old_logprobs.sum(1)
-    ratio = torch.exp(log_ratio)
-    pg_losses = -advantages * ratio
-    pg_losses_clipped = -advantages * torch.clamp(ratio, 1.0 - cliprange, 1.0 + cliprange)
-    return torch.max(pg_losses, pg_losses_clipped).mean(), log_ratio, ratio, pg_losses_clipped > pg_losses
-
-
-# ===========================================================================================================
-# Plumbing, identical in every script that has it (tests/test_shared_helpers.py keeps the copies equal):
-# data, generation, scoring, evaluation, checkpoints, distributed and run set-up. Change one, change all.
-# ===========================================================================================================
 
 def fail(argument, message):
     """Bad input: one line on stderr naming the argument, exit code 2."""
@@ -334,17 +484,28 @@ def check_resume(args):
                            "a resumed run must keep it")
 
 
+def read_dataset(args):
+    """--dataset-name through datasets' load_dataset (a directory of JSON lines or parquet files, or a hub id). Every
+    way it can fail is bad input: one line naming the argument, exit code 2."""
+    if not os.path.exists(args.dataset_name) and args.dataset_name.count("/") != 1:
+        fail("dataset_name", f"no such directory: {args.dataset_name}")
+    try:
+        return load_dataset(args.dataset_name)
+    except StopIteration:  # what datasets' JSON loader raises on an empty file
+        files = sorted(os.listdir(args.dataset_name)) if os.path.isdir(args.dataset_name) else []
+        empty = [f for f in files if os.path.getsize(os.path.join(args.dataset_name, f)) == 0]
+        fail("dataset_name", f"cannot load {args.dataset_name}: {', '.join(empty) or 'a data file'} is empty")
+    except (OSError, ValueError, DatasetGenerationError) as error:  # unreadable, a line that is not JSON, ...
+        cause = str(error.__cause__ or error).strip() or type(error).__name__
+        fail("dataset_name", f"cannot load {args.dataset_name}: {cause.splitlines()[0]}")
+
+
 def load_prompts(args, tokenizer):
     """Tokenised prompts of the train and eval splits (lists of token-id lists) and, with --rule-reward, their
     answers (else Nones). A prompt is the `query` column's text, or the `messages` column's chat rendered with
     the tokenizer's chat template and the generation prompt (a last assistant turn, the reference reply, is
     left out, as in No Robots)."""
-    if not os.path.exists(args.dataset_name) and args.dataset_name.count("/") != 1:
-        fail("dataset_name", f"no such directory: {args.dataset_name}")
-    try:
-        dataset = load_dataset(args.dataset_name)
-    except (OSError, ValueError) as error:  # an unreadable file, an empty split, ...
-        fail("dataset_name", f"cannot load {args.dataset_name}: {str(error).splitlines()[0]}")
+    dataset = read_dataset(args)
     prompts, answers = {}, {}
     for argument in ("dataset_train_split", "dataset_eval_split"):
         split = getattr(args, argument)
@@ -753,11 +914,11 @@ def load_model(args, path, reward=False):
     token that load_tokenizer may add is never read by a model."""
     if path is None:
         return None
-    load = dict(dtype=torch.bfloat16 if args.bf16 else torch.float32, trust_remote_code=args.trust_remote_code)
+    dtype_and_code = dict(dtype=torch.bfloat16 if args.bf16 else torch.float32, trust_remote_code=args.trust_remote_code)
     if reward:
-        model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, **load)
+        model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, **dtype_and_code)
     else:
-        model = AutoModelForCausalLM.from_pretrained(path, **load)
+        model = AutoModelForCausalLM.from_pretrained(path, **dtype_and_code)
     disable_dropout(model)
     return model
 
@@ -828,147 +989,4 @@ def disable_dropout(model):
 
 
 if __name__ == "__main__":
-    args = tyro.cli(Args)
-    args.world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    validate(args)
-    rank, device = set_up_distributed(args)
-    prompts_per_rank = args.local_batch_size // args.k
-    tokenizer, stop_id, train_prompts, eval_prompts, train_answers, eval_answers = load_data(args, prompts_per_rank)
-    run_name, run_dir = run_directory(args)
-
-    # Models and DeepSpeed engines: the policy trains; the reference and reward models only run forward.
-    policy = training_engine(args, load_model(args, args.sft_model_path))
-    ref_policy = frozen_engine(args, load_model(args, args.sft_model_path))
-    reward_model = frozen_engine(args, load_model(args, args.reward_model_path, reward=True))
-    gold_model = frozen_engine(args, load_model(args, args.gold_reward_model_path, reward=True))
-
-    start_update, episode = 0, 0
-    if args.resume:
-        start_update, episode = load_checkpoint(latest_checkpoint(args.resume), {"policy": policy})
-
-    run_log = RunLog(args, run_dir, run_name, start_update)  # metrics.jsonl (rank 0), wandb with --track
-    if rank == 0:
-        print(f"run {run_dir}: {args.num_updates} updates of {args.batch_size} responses "
-              f"({args.batch_size // args.k} prompts x {args.k})", flush=True)
-
-    pad = tokenizer.pad_token_id
-    progress = tqdm(total=args.num_updates * args.batch_size, initial=episode, unit="ep", disable=rank != 0)
-    if not args.resume:  # the curves start from the SFT policy
-        eval_metrics, samples = evaluate(args, policy, reward_model, gold_model, eval_prompts, eval_answers, tokenizer,
-                                         stop_id, device)
-        run_log.log(0, {**eval_metrics, "episode": 0}, samples)
-    start_time, start_episode = time.time(), episode
-    for update in range(start_update + 1, args.num_updates + 1):
-        # 1. Generate k responses per prompt with the current policy.
-        t0 = time.time()
-        indices = prompt_batch(len(train_prompts), prompts_per_rank, update - 1, args.seed, rank, args.world_size)
-        queries = left_pad([train_prompts[i] for i in indices], pad, device).repeat(args.k, 1)
-        answers = [train_answers[i] for i in indices] * args.k  # the k blocks of queries
-        context_length = queries.shape[1]
-        with unwrapped_for_generation(policy) as model:
-            responses = generate(model, queries, pad, stop_id, args.response_length, args.temperature)
-        responses = truncate_response(responses, stop_id, pad)
-        query_responses = torch.cat([queries, responses], 1)
-        padding_mask = responses == pad  # everything after the response
-        t1 = time.time()
-
-        # 2. Score: log-probabilities under the policy and the reference, reward-model scores. When the batch is
-        #    trained on in one step (one epoch, one micro-batch), the ratio to the sampling policy is exactly 1:
-        #    the policy's log-probabilities come from that step's forward, run here, not from an extra pass.
-        one_step = args.num_ppo_epochs == 1 and args.per_device_train_batch_size == args.local_batch_size
-        logprobs, ref_logprobs, scores = [], [], []
-        if one_step:
-            batch_logits = forward(policy, query_responses, pad).logits  # with gradients: step 4 trains on them
-            logprobs.append(response_logprobs(batch_logits, responses, context_length, args.temperature).detach())
-        with torch.no_grad():
-            for i in range(0, len(query_responses), args.per_device_train_batch_size):
-                chunk = query_responses[i: i + args.per_device_train_batch_size]
-                chunk_responses = chunk[:, context_length:]
-                if not one_step:
-                    logprobs.append(response_logprobs(forward(policy, chunk, pad).logits, chunk_responses,
-                                                      context_length, args.temperature))
-                ref_logprobs.append(response_logprobs(forward(ref_policy, chunk, pad).logits, chunk_responses,
-                                                      context_length, args.temperature))
-                scores.append(score_responses(args, reward_model, chunk, context_length,
-                                              answers[i: i + args.per_device_train_batch_size], tokenizer))
-        logprobs = torch.cat(logprobs).masked_fill(padding_mask, 0.0)
-        ref_logprobs = torch.cat(ref_logprobs).masked_fill(padding_mask, 0.0)
-        raw_scores = torch.cat(scores)
-        scores = apply_missing_eos_penalty(raw_scores, responses, stop_id, args.missing_eos_penalty,
-                                           args.missing_eos_mode)
-
-        # 3. Rewards and leave-one-out advantages.
-        kl = (logprobs - ref_logprobs).sum(1)
-        non_score_reward = -args.kl_coef * kl
-        rlhf_reward = scores + non_score_reward
-        advantages = rloo_advantages(rlhf_reward, args.k)
-        t2 = time.time()
-
-        # 4. PPO-style clipped updates over mini-batches of this generation batch.
-        stats = {name: [] for name in ("loss", "approxkl", "clipfrac", "ratio", "entropy")}
-        local_mini_batch = args.local_batch_size // args.num_mini_batches
-        for _ in range(args.num_ppo_epochs):
-            order = torch.randperm(args.local_batch_size, device=device)
-            for mb_start in range(0, args.local_batch_size, local_mini_batch):
-                for mc_start in range(mb_start, mb_start + local_mini_batch, args.per_device_train_batch_size):
-                    idx = order[mc_start: mc_start + args.per_device_train_batch_size]
-                    logits = batch_logits[idx] if one_step else forward(policy, query_responses[idx], pad).logits
-                    new_logprobs = response_logprobs(logits, responses[idx], context_length, args.temperature)
-                    new_logprobs = new_logprobs.masked_fill(padding_mask[idx], 0.0)
-                    loss, log_ratio, ratio, clipped = rloo_policy_loss(new_logprobs, logprobs[idx], advantages[idx],
-                                                                       args.cliprange)
-                    policy.backward(loss)
-                    policy.step()
-                    with torch.no_grad():
-                        entropy = entropy_from_logits(logits[:, context_length - 1: -1] / args.temperature)
-                        stats["loss"].append(loss)
-                        stats["approxkl"].append(0.5 * (log_ratio ** 2).mean())
-                        stats["clipfrac"].append(clipped.float().mean())
-                        stats["ratio"].append(ratio.mean())
-                        stats["entropy"].append(masked_mean(entropy, ~padding_mask[idx]))
-        t3 = time.time()
-
-        # 5. Log, evaluate, save.
-        episode += args.batch_size
-        progress.update(args.batch_size)
-        mean = {name: torch.stack(per_step).mean().item() for name, per_step in stats.items()}
-        metrics = mean_over_ranks({
-            "objective/scores": scores.mean().item(),
-            "objective/raw_scores": raw_scores.mean().item(),
-            "objective/kl": kl.mean().item(),
-            "objective/non_score_reward": non_score_reward.mean().item(),
-            "objective/rlhf_reward": rlhf_reward.mean().item(),
-            "objective/entropy": (-logprobs).sum(1).mean().item(),
-            "policy/entropy_avg": mean["entropy"],
-            "loss/policy_avg": mean["loss"],
-            "policy/approxkl_avg": mean["approxkl"],
-            "policy/clipfrac_avg": mean["clipfrac"],
-            "val/ratio": mean["ratio"],
-            "val/ratio_var": torch.stack(stats["ratio"]).var().item() if len(stats["ratio"]) > 1 else 0.0,
-            "val/num_eos_tokens": (responses == stop_id).sum().item() * args.world_size,
-            "val/response_length": (~padding_mask).sum(1).float().mean().item(),
-            "time/generation": t1 - t0,
-            "time/scoring": t2 - t1,
-            "time/training": t3 - t2,
-        }, device)
-        metrics.update({"lr": policy.get_lr()[0], "episode": episode,
-                        "time/episodes_per_second": (episode - start_episode) / (time.time() - start_time)})
-        samples = None
-        if (args.eval_every and update % args.eval_every == 0) or update == args.num_updates:
-            eval_metrics, samples = evaluate(args, policy, reward_model, gold_model, eval_prompts, eval_answers, tokenizer,
-                                             stop_id, device)
-            metrics.update(eval_metrics)
-            if rank == 0:
-                tqdm.write(f"update {update}: " + ", ".join(f"{k} {v:.3f}" for k, v in eval_metrics.items()))
-                for query, response, score in samples[:2]:
-                    tqdm.write(f"  {query!r} -> {response!r} (score {score})")
-        run_log.log(update, metrics, samples)
-        progress.set_postfix(score=f"{metrics['objective/scores']:.3f}", kl=f"{metrics['objective/kl']:.2f}",
-                             eps=f"{metrics['time/episodes_per_second']:.0f}")
-        if (args.save_every and update % args.save_every == 0) or update == args.num_updates:
-            save_checkpoint(args, run_dir, update, episode, {"policy": policy})
-
-    progress.close()
-    run_log.close()
-    dist.barrier()
-    dist.destroy_process_group()
+    main(tyro.cli(Args))

@@ -21,6 +21,7 @@
 # 3 GPUs: deepspeed --num_gpus 2 online_dpo_vllm.py with ZeRO-3: vLLM on GPU 2 (as the run reports it), K = 2
 #         off-policy steps, weights gathered and handed over every update by NCCL.
 set -uo pipefail
+export VLLM_LOGGING_LEVEL=INFO  # the weight-transfer checks read vLLM's INFO lines (the scripts show warnings only)
 cd "$(dirname "$0")/.."
 out=${1:-$(mktemp -d)}
 mkdir -p "$out"

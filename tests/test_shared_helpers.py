@@ -2,7 +2,7 @@
 
 A function or class defined at the top level of two scripts under the same name must have the
 same source in both (decorators included), so a fix made in one script is made in all.
-`validate` is the one helper that is meant to differ (each script checks its own arguments);
+`validate` and `main` are meant to differ (each script checks its own arguments and runs its own loop);
 `Args` differs by each algorithm's fields, but a field that two algorithm scripts share has the
 same meaning (docstring). evaluate.py shares the generation and scoring helpers."""
 
@@ -18,7 +18,7 @@ from conftest import ROOT
 ALGORITHMS = ["rloo.py", "online_dpo.py", "bok.py", "ppo.py", "online_dpo_vllm.py", "rloo_vllm.py", "ppo_vllm.py",
               "bok_vllm.py"]
 SCRIPTS = ALGORITHMS + ["evaluate.py"]
-MEANT_TO_DIFFER = {"validate", "Args"}
+MEANT_TO_DIFFER = {"validate", "Args", "main"}
 # The asynchronous RLOO and PPO weight their policy loss by the off-policy correction's importance weights
 # (test_off_policy_correction.py checks that with weights of 1 they are their synchronous siblings' losses).
 CORRECTED = {"rloo_policy_loss", "ppo_policy_loss"}
@@ -26,7 +26,7 @@ CORE = {"load_prompts", "left_pad", "generate", "truncate_response", "response_l
         "apply_missing_eos_penalty", "evaluate", "save_checkpoint", "load_checkpoint", "ds_config", "mean_over_ranks",
         "process_group_backend", "init_distributed", "gathered_state_dict", "set_up_distributed", "load_data",
         "run_directory", "load_model", "training_engine", "frozen_engine", "RunLog"}
-BANNERS = ["# The algorithm: the only functions that differ", "# Plumbing, identical in every script"]
+BANNERS = ["# The algorithm: the only functions that differ", "# Appendix: argument checks"]
 VLLM_BANNER = "# Asynchronous generation, identical in every *_vllm.py"
 
 
@@ -67,28 +67,32 @@ def test_arguments_with_the_same_name_have_the_same_meaning(first, second):
     assert not differ, f"{first} and {second} document these arguments differently: {differ}"
 
 
-@pytest.mark.parametrize("script", ALGORITHMS)
-def test_each_script_shows_its_algorithm_first_and_labels_the_plumbing(script):
-    """Args, validate, then the algorithm's own functions (before line 300), then the plumbing that every
-    script shares, then (in *_vllm.py) the asynchronous generation, then the main block."""
+@pytest.mark.parametrize("script", ALGORITHMS + ["evaluate.py"])
+def test_each_script_reads_args_algorithm_main_then_the_appendix(script):
+    """Args, the algorithm's own functions (evaluate.py: its evaluation's), `def main(args)` (set-up, then the loop,
+    which starts within the first 350 lines), then the appendix: validate, the plumbing that every script shares,
+    (in *_vllm.py) the asynchronous generation; the file ends by calling main."""
     with open(os.path.join(ROOT, script)) as f:
         lines = f.read().splitlines()
-    at = {banner: next(i for i, line in enumerate(lines) if line.startswith(banner)) for banner in BANNERS}
-    algorithm, plumbing = at[BANNERS[0]], at[BANNERS[1]]
-    main = lines.index('if __name__ == "__main__":')
+    own = "# Evaluation's own functions" if script == "evaluate.py" else BANNERS[0]
+    algorithm, appendix = (next(i for i, line in enumerate(lines) if line.startswith(b)) for b in (own, BANNERS[1]))
     vllm = next((i for i, line in enumerate(lines) if line.startswith(VLLM_BANNER)), None)
     assert (vllm is not None) == script.endswith("_vllm.py")
     definitions = top_level_definitions(script)
     line_of = {name: node.lineno - 1 for name, (node, _) in definitions.items()}
-    assert line_of["Args"] < line_of["validate"] < algorithm < plumbing < (vllm or main) <= main
+    assert line_of["Args"] < algorithm < line_of["main"] < appendix < line_of["validate"] < (vllm or len(lines))
+    assert lines[-2:] == ['if __name__ == "__main__":', "    main(tyro.cli(Args))"]
     assert algorithm < 300, f"the algorithm starts at line {algorithm + 1}"
+    if script != "evaluate.py":
+        loop = next(i for i, line in enumerate(lines) if line.startswith("    for update in range("))
+        assert line_of["main"] < loop < 350, f"the loop starts at line {loop + 1}"
     others = [top_level_definitions(s) for s in ALGORITHMS if s != script]
     for name, line in line_of.items():
         shared = [other[name][1] == definitions[name][1] for other in others if name in other]
         everywhere = len(shared) == len(others) and all(shared)
-        if algorithm < line < plumbing:  # the algorithm's own (online DPO's are in two scripts)
+        if algorithm < line < line_of["main"] and script != "evaluate.py":  # (online DPO's are in two scripts)
             assert not everywhere, f"{name} is the same in every script: it is plumbing"
-        elif plumbing < line < (vllm or main):
+        elif line_of["validate"] < line < (vllm or len(lines)) and script != "evaluate.py":
             assert everywhere, f"{name} is not the same in every script: it is not plumbing"
 
 
