@@ -156,7 +156,8 @@ if [ "$gpus" -ge 2 ]; then
     check 2gpu_weight_transfer_nccl grep -q "Creating weight transfer engine: NCCLWeightTransferEngine" "$out/2gpu_rloo_vllm_nccl.log"
     check 2gpu_rloo_vllm_file bash -c "$(declare -f run1); CUDA_VISIBLE_DEVICES=0,1 run1 rloo_vllm.py --weight-sync file $vllm_flags --output-dir $out/2gpu_file"
     check 2gpu_nccl_and_file_agree same_scores "$out/2gpu_nccl" "$out/2gpu_file"
-    check 2gpu_rloo_vllm_ipc_2_ranks deepspeed --num_gpus 2 rloo_vllm.py --bf16 $vllm_flags --per-device-train-batch-size 32 \
+    # --vllm-gpu 0: on a machine with a third GPU vLLM would take it (NCCL) rather than share
+    check 2gpu_rloo_vllm_ipc_2_ranks deepspeed --num_gpus 2 rloo_vllm.py --vllm-gpu 0 --bf16 $vllm_flags --per-device-train-batch-size 32 \
       --total-episodes 256 --eval-every 2 --num-eval-prompts 64 --output-dir "$out/2gpu_ipc"
     check 2gpu_rloo_vllm_ipc_2_ranks_metrics metrics_ok "$out/2gpu_ipc" 4 0 1 1 1
     check 2gpu_vllm_shares_gpu_0 grep -q "vLLM shares GPU 0 with training" "$out/2gpu_rloo_vllm_ipc_2_ranks.log"

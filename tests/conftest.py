@@ -91,6 +91,9 @@ def bad_path(tmp_path, kind):
         for split in ("train", "test"):
             (path / f"{split}.jsonl").write_text('{"prompt": "hello"}\n' if kind == "BAD_DATASET" else
                                                  '{"query": "hello"}\n' * (split == "train"))
+    elif kind in ("NOT_JSON_LINES", "EMPTY_TRAIN_FILE"):  # a train file cut off mid-line; an empty one
+        (path / "train.jsonl").write_text('{"query": "hello"}\n{"query": "hel' if kind == "NOT_JSON_LINES" else "")
+        (path / "test.jsonl").write_text('{"query": "hello"}\n' * 8)
     elif kind == "CHAT_DATASET":
         for split in ("train", "test"):
             (path / f"{split}.jsonl").write_text('{"messages": [{"role": "user", "content": "2 + 3?"}], "answer": "5"}\n' * 64)

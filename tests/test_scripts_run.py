@@ -443,6 +443,8 @@ BAD_INPUT = [  # (script, arguments, the argument the error must name)
         (["--reward-model-path", "NO_TOKENIZER"], "--reward-model-path"),
         (["--reward-model-path", "assets/tiny/sft"], "--reward-model-path"),  # a policy, not a reward model
         (["--dataset-name", "EMPTY_SPLIT"], "--dataset-name"),
+        (["--dataset-name", "NOT_JSON_LINES"], "--dataset-name"),
+        (["--dataset-name", "EMPTY_TRAIN_FILE"], "--dataset-name"),
         (["--resume", "PPO_CHECKPOINT"], "--resume"),
         (["--resume", "BROKEN_CHECKPOINT"], "--resume"),
         (["--resume", "RLOO_RUN_K4"], "--resume"),  # other batches than the run it resumes
