@@ -18,7 +18,8 @@ seeds (one seed's accuracy on the 288 test problems moves by about 0.025 between
     python benchmark/async_speedup.py --task math --scripts rloo_vllm online_dpo_vllm --seeds 1 2 3 \
         --total-episodes 25600 --async-total-episodes 32000 --learning-rate 1e-4   # to the plateau, 31 minutes
     python benchmark/async_speedup.py --scripts online_dpo_vllm --total-episodes 64000 --off-policy-steps 2
-    python benchmark/async_speedup.py --task smollm2 --scripts rloo_vllm --total-episodes 320   # a real model, 15 minutes
+    python benchmark/async_speedup.py --task smollm2 --scripts rloo_vllm --total-episodes 320   # a real model, 16 minutes
+    python benchmark/async_speedup.py --task smollm2 --scripts online_dpo_vllm --total-episodes 320 --learning-rate 3e-6
 
 Any other argument is passed to every run (for example --learning-rate 1e-4).
 """
@@ -41,7 +42,7 @@ MATH = ["--sft-model-path", "assets/tiny_math/sft", "--dataset-name", "assets/ti
         "--num-eval-prompts", "288", "--eval-every", "20"]
 SMOLLM2 = ["--sft-model-path", "assets/smollm2/model", "--dataset-name", "assets/smollm2/data", "--rule-reward",
            "last_number", "--response-length", "16", "--max-prompt-length", "64", "--k", "4",
-           "--per-device-train-batch-size", "32", "--learning-rate", "3e-6", "--missing-eos-penalty", "0",
+           "--per-device-train-batch-size", "32", "--learning-rate", "1e-5", "--missing-eos-penalty", "0",
            "--num-eval-prompts", "96", "--eval-every", "5"]
 
 
