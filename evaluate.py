@@ -336,7 +336,7 @@ def main(args):
             del policy
     finally:
         if llm is not None:
-            llm.llm_engine.engine_core.shutdown(timeout=30)
+            shut_down(llm)
         vllm_dir.cleanup()
     with open(output, "w") as f:
         json.dump({"args": asdict(args), "checkpoints": results,
@@ -576,7 +576,7 @@ def start_vllm(args, model_path, weight_transfer=False):
     The engine process reads CUDA_VISIBLE_DEVICES (GPU) or VLLM_CPU_OMP_THREADS_BIND (CPU cores)
     when it starts, so they are set around its construction and restored after. With `weight_transfer`
     it takes weights in memory (see weight_transfer()): by NCCL on a GPU of its own, by CUDA IPC on a GPU
-    it shares, by gloo on CPU."""
+    it shares (on a CPU: vLLM's "nccl" engine, which only a plugin such as tests/cpu_weight_transfer provides)."""
     from vllm import LLM
 
     # Log-probabilities returned with samples are those of the distribution sampled from (after temperature).
@@ -598,7 +598,6 @@ def start_vllm(args, model_path, weight_transfer=False):
             print(f"vLLM runs on GPU {gpu}, a GPU of its own (its engine's CUDA_VISIBLE_DEVICES)", flush=True)
         env = {"CUDA_VISIBLE_DEVICES": gpu}
         engine_args["gpu_memory_utilization"] = share
-        backend = "nccl" if shared is None else "ipc"
     else:
         cores = sorted(os.sched_getaffinity(0))[-args.vllm_cpu_cores:]
         env = {"VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, cores))}
@@ -611,13 +610,10 @@ def start_vllm(args, model_path, weight_transfer=False):
         # A prompt whose prefill is split over steps makes vLLM rewind its seeded sampler, which
         # torch's CPU generator cannot do; without chunked prefill every prompt is prefilled whole.
         engine_args["enable_chunked_prefill"] = False
-        backend = "gloo"
-        if weight_transfer:  # vLLM's engine process looks it up in this script, which registers "gloo" there
-            module = os.path.splitext(os.path.basename(__file__))[0]
-            engine_args["worker_extension_cls"] = f"{module}.VllmWorkerExtension"
+        shared = None
     if weight_transfer:
-        engine_args["weight_transfer_config"] = {"backend": backend}
-        if backend == "ipc":
+        engine_args["weight_transfer_config"] = {"backend": "nccl" if shared is None else "ipc"}
+        if shared is not None:
             allow_pickled_rpc(os.environ)
     saved = {name: os.environ.get(name) for name in env}
     os.environ.update(env)
@@ -692,6 +688,11 @@ def load_into_vllm(llm, weights_path):
     weights, so prompts sharing a cached prefix would reuse keys and values of the old weights."""
     llm.collective_rpc("reload_weights", kwargs={"weights_path": weights_path})
     llm.reset_prefix_cache()
+
+
+def shut_down(llm):
+    """Stop vLLM's engine processes (LLM has no public call for it)."""
+    llm.llm_engine.engine_core.shutdown(timeout=30)
 
 
 def truncate_response(responses, stop_token_id, pad_token_id):

@@ -24,8 +24,8 @@ import atexit
 import collections
 import concurrent.futures
 import contextlib
-import functools
 import hashlib
+import importlib.metadata
 import json
 import math
 import os
@@ -148,8 +148,8 @@ class Args:
     """skip vLLM's model compilation (and CUDA graphs): starts faster, generates slower; for short runs"""
     generation_timeout: float = 600.0
     """seconds the learner waits for a batch (and the generator for weights) before stopping with an error"""
-    weight_sync: str = "memory"
-    """how each new policy reaches vLLM: `memory` (vLLM's weight transfer: NCCL to a GPU of its own, CUDA IPC on one it shares, gloo on CPU) or `file` (a save_pretrained directory, in /dev/shm if it has room, that vLLM reloads)"""
+    weight_sync: Optional[str] = None
+    """how each new policy reaches vLLM: `memory` (vLLM's weight transfer: NCCL to a GPU of its own, CUDA IPC on one it shares; the default on GPUs) or `file` (a save_pretrained directory, in /dev/shm if it has room, that vLLM reloads; the default on a CPU)"""
     check_weights_every: int = 10
     """check that vLLM holds the learner's weights (log-probabilities of a probe, digests of parameters) when it starts, after the first hand-off and every this many updates; stop with one line if not (0: never)"""
     is_cap: float = 2.0
@@ -508,8 +508,7 @@ def validate(args):
         fail("check_weights_every", f"must be 0 (never) or more, got {args.check_weights_every}")
     if args.generation_timeout <= 0:
         fail("generation_timeout", f"must be positive, got {args.generation_timeout}")
-    if args.weight_sync not in ("memory", "file"):
-        fail("weight_sync", f"must be memory or file, got {args.weight_sync!r}")
+    check_weight_sync(args)
     if args.vllm_gpu_memory_utilization is not None and not 0 < args.vllm_gpu_memory_utilization <= 1:
         fail("vllm_gpu_memory_utilization", f"must be in (0, 1], got {args.vllm_gpu_memory_utilization}")
     if not torch.cuda.is_available() and not 1 <= args.vllm_cpu_cores < len(os.sched_getaffinity(0)):
@@ -1221,7 +1220,7 @@ def start_vllm(args, model_path, weight_transfer=False):
     The engine process reads CUDA_VISIBLE_DEVICES (GPU) or VLLM_CPU_OMP_THREADS_BIND (CPU cores)
     when it starts, so they are set around its construction and restored after. With `weight_transfer`
     it takes weights in memory (see weight_transfer()): by NCCL on a GPU of its own, by CUDA IPC on a GPU
-    it shares, by gloo on CPU."""
+    it shares (on a CPU: vLLM's "nccl" engine, which only a plugin such as tests/cpu_weight_transfer provides)."""
     from vllm import LLM
 
     # Log-probabilities returned with samples are those of the distribution sampled from (after temperature).
@@ -1243,7 +1242,6 @@ def start_vllm(args, model_path, weight_transfer=False):
             print(f"vLLM runs on GPU {gpu}, a GPU of its own (its engine's CUDA_VISIBLE_DEVICES)", flush=True)
         env = {"CUDA_VISIBLE_DEVICES": gpu}
         engine_args["gpu_memory_utilization"] = share
-        backend = "nccl" if shared is None else "ipc"
     else:
         cores = sorted(os.sched_getaffinity(0))[-args.vllm_cpu_cores:]
         env = {"VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, cores))}
@@ -1256,13 +1254,10 @@ def start_vllm(args, model_path, weight_transfer=False):
         # A prompt whose prefill is split over steps makes vLLM rewind its seeded sampler, which
         # torch's CPU generator cannot do; without chunked prefill every prompt is prefilled whole.
         engine_args["enable_chunked_prefill"] = False
-        backend = "gloo"
-        if weight_transfer:  # vLLM's engine process looks it up in this script, which registers "gloo" there
-            module = os.path.splitext(os.path.basename(__file__))[0]
-            engine_args["worker_extension_cls"] = f"{module}.VllmWorkerExtension"
+        shared = None
     if weight_transfer:
-        engine_args["weight_transfer_config"] = {"backend": backend}
-        if backend == "ipc":
+        engine_args["weight_transfer_config"] = {"backend": "nccl" if shared is None else "ipc"}
+        if shared is not None:
             allow_pickled_rpc(os.environ)
     saved = {name: os.environ.get(name) for name in env}
     os.environ.update(env)
@@ -1389,6 +1384,30 @@ def in_thread(function, *args):
     return done
 
 
+def wait_for(take, what, timeout, check):
+    """take() (a queue's get or a Future's result, each waiting a moment) until it returns, at most `timeout`
+    seconds; `check()` runs in between and raises to stop the wait (the generator failed, vLLM's engine died)."""
+    deadline = time.time() + timeout
+    while True:
+        try:
+            return take()
+        except (queue.Empty, TimeoutError):
+            pass
+        check()
+        if time.time() > deadline:
+            raise TimeoutError(f"{what} took more than {timeout} s (--generation-timeout)")
+
+
+def engine_dead(llm):
+    """Whether vLLM's engine process has died (a generate() already waiting on it then never returns)."""
+    return llm.llm_engine.engine_core.resources.engine_dead  # vLLM's private state: read here and in shut_down only
+
+
+def shut_down(llm):
+    """Stop vLLM's engine processes (LLM has no public call for it)."""
+    llm.llm_engine.engine_core.shutdown(timeout=30)
+
+
 class VllmClient:
     """vLLM's weight-sync calls on an engine (what vLLM's trainer-side weight transfer engines call: its
     VLLMWeightSyncClient), each bounded: a hand-off that hangs, the field's most reported failure, ends
@@ -1399,37 +1418,32 @@ class VllmClient:
         self.failure = None  # the error of a call that failed, for hand_off_watchdog()
 
     def init_weight_transfer_engine(self, init_info):
-        self._call("init_weight_transfer_engine", {"init_info": init_info})
+        self.call("init_weight_transfer_engine", {"init_info": init_info})
 
     def start_weight_update(self):
-        self._call("start_weight_update")
+        self.call("start_weight_update")
 
     def update_weights(self, update_info):
-        self._call("update_weights", {"update_info": update_info})
+        self.call("update_weights", {"update_info": update_info})
 
     def finish_weight_update(self, weight_version=None):
-        self._call("finish_weight_update")
-        self._call("reset_prefix_cache")  # see load_into_vllm
+        self.call("finish_weight_update")
+        self.call("reset_prefix_cache")  # see load_into_vllm
 
-    def _call(self, step, *request):
+    def call(self, step, *request):
+        def check():
+            if engine_dead(self.llm):
+                raise RuntimeError(f"vLLM's engine process died during {step}")
+
         done = in_thread(getattr(self.llm, step), *request)
-        deadline = time.time() + self.timeout
-        while True:
-            try:
-                return done.result(timeout=0.1)
-            except TimeoutError:
-                pass
-            except Exception as error:  # raised by vLLM's worker (out of memory for its buffers, ...): the learner may
-                # be waiting in a collective that the worker has left, so hand_off_watchdog() must know at once
-                cause = (str(error).strip().splitlines() or [type(error).__name__])[-1]  # a worker's traceback ends so
-                self.failure = f"weight hand-off: {step} failed in vLLM: {cause}"
-                raise
-            if self.llm.llm_engine.engine_core.resources.engine_dead:
-                self.failure = f"weight hand-off: vLLM's engine process died during {step}"
-                raise RuntimeError(self.failure)
-            if time.time() > deadline:
-                self.failure = f"weight hand-off: {step} took more than {self.timeout} s (--generation-timeout)"
-                raise TimeoutError(self.failure)
+        try:
+            return wait_for(lambda: done.result(timeout=0.1), step, self.timeout, check)
+        except Exception as error:  # vLLM's worker failed (out of memory for its buffers, ...), its engine died, or
+            # the call timed out: the learner may be waiting in a collective that the worker has left, so
+            # hand_off_watchdog() must know at once
+            cause = (str(error).strip().splitlines() or [type(error).__name__])[-1]  # a worker's traceback ends so
+            self.failure = f"weight hand-off: {f'{step} failed in vLLM: ' if done.done() else ''}{cause}"
+            raise
 
 
 @contextlib.contextmanager
@@ -1488,161 +1502,26 @@ class PolicyWeights:
                     yield name, p.detach().clone() if hasattr(p, "ds_id") else p.detach()
 
 
-@functools.cache
-def gloo_weight_transfer():
-    """vLLM's NCCL weight transfer engines (worker and trainer side) with a gloo process group in place of NCCL's
-    communicator, for vLLM on CPU: the same calls, metadata and layer-wise reload (but the trainer's send_weights
-    leaves the end of the update to finish(), see there). The tensors' bytes go in buckets of about 64 MiB, cut
-    where the metadata says on both sides; one bucket travels while the trainer packs the next, and vLLM's worker
-    receives them all before loading any, into buffers it keeps (a copy of the model's bytes; the file path's
-    /dev/shm directory holds one too, for a while): new memory is slow to touch.
-    Registers the worker's engine with vLLM as backend "gloo" (in the process that calls this) and returns both."""
-    import dataclasses
-    import datetime
-    from typing import ClassVar
-
-    from vllm.distributed.weight_transfer.base import TrainerInitInfo, WeightTransferInitInfo
-    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
-    from vllm.distributed.weight_transfer.nccl_engine import (NCCLTrainerWeightTransferEngine,
-                                                              NCCLWeightTransferEngine)
-
-    def connect(store, rank, timeout):  # trainer rank 0, vLLM's worker rank 1; the trainer's hand_off_watchdog()
-        # ends a stuck broadcast first, as it does NCCL's, which has no timeout
-        return dist.ProcessGroupGloo(dist.PrefixStore("weights", store), rank, 2,
-                                     datetime.timedelta(seconds=timeout + 60))
-
-    def as_bytes(tensor):
-        return tensor.contiguous().view(-1).view(torch.uint8)
-
-    bucket_bytes = 64 * 2**20
-
-    @dataclasses.dataclass
-    class GlooInitInfo(WeightTransferInitInfo):
-        master_address: str
-        master_port: int
-        timeout: float
-
-    @dataclasses.dataclass
-    class GlooTrainerInitInfo(TrainerInitInfo):
-        backend: ClassVar[str] = "gloo"
-        timeout: float = 600.0
-
-    class GlooWeightTransferEngine(NCCLWeightTransferEngine):
-        init_info_cls = GlooInitInfo
-
-        def init_transfer_engine(self, init_info):
-            store = dist.TCPStore(init_info.master_address, init_info.master_port, 2, is_master=False,
-                                  timeout=datetime.timedelta(seconds=init_info.timeout))
-            self.model_update_group = connect(store, 1, init_info.timeout)
-            self.buffers = []
-
-        def update_weights(self, update_info):  # vLLM's synchronizes the accelerator after, which a CPU torch refuses
-            self.receive_weights(self.parse_update_info(update_info))
-
-        def receive_weights(self, update_info):
-            tensors = [(name, getattr(torch, dtype), shape) for name, dtype, shape in
-                       zip(update_info.names, update_info.dtype_names, update_info.shapes)]
-            buckets, bucket, size = [], [], 0
-            for i, (name, dtype, shape) in enumerate(tensors):
-                bucket.append((name, dtype, shape, math.prod(shape) * dtype.itemsize))
-                size += bucket[-1][3]
-                if size >= bucket_bytes or i == len(tensors) - 1:  # the trainer's cut, from the same sizes
-                    if len(self.buffers) == len(buckets):  # kept for the next update: new memory is slow to touch
-                        self.buffers.append(torch.empty(size, dtype=torch.uint8))
-                    received = self.buffers[len(buckets)]
-                    buckets.append((self.model_update_group.broadcast(received, 0), received, bucket))
-                    bucket, size = [], 0
-            for work, _, _ in buckets:  # all bytes first: the learner is free as soon as they are here
-                work.wait()
-            for _, received, bucket in buckets:
-                weights, offset = [], 0
-                for name, dtype, shape, nbytes in bucket:
-                    weights.append((name, received[offset: offset + nbytes].view(dtype).view(shape)))
-                    offset += nbytes
-                self.model.load_weights(weights)
-
-        def shutdown(self):
-            self.model_update_group = None
-
-    class GlooTrainerWeightTransferEngine(NCCLTrainerWeightTransferEngine):
-        init_info_cls = GlooTrainerInitInfo
-
-        @classmethod
-        def trainer_init(cls, init_info, *, client, source=None):
-            engine = cls(client=client, source=source, is_sender=init_info.is_sender, packed=False)
-            engine.slots = [torch.empty(0, dtype=torch.uint8), torch.empty(0, dtype=torch.uint8)]
-            if engine.is_sender:  # vLLM's worker joins the group while this process opens it
-                store = dist.TCPStore("127.0.0.1", 0, 2, is_master=True, wait_for_workers=False,
-                                      timeout=datetime.timedelta(seconds=init_info.timeout))
-                with concurrent.futures.ThreadPoolExecutor(1) as executor:
-                    joined = executor.submit(client.init_weight_transfer_engine, {
-                        "master_address": "127.0.0.1", "master_port": store.port, "timeout": init_info.timeout})
-                    engine.model_update_group = connect(store, 0, init_info.timeout)
-                    joined.result()
-            return engine
-
-        def send_weights(self):
-            """vLLM's, returning once the bytes have gone: vLLM's worker goes on loading them, and finish() (the
-            generator's, before its next batch) waits for that and finishes the update. On CPU vLLM's worker
-            re-packs every layer it loads (1.5-2 s a GB), which is thus the generator's time, not the learner's."""
-            meta = self.source.metadata()
-            if self.is_sender:
-                self.client.start_weight_update()
-                self.receiving = in_thread(self.client.update_weights, {
-                    "names": [m.name for m in meta], "dtype_names": [str(m.dtype).split(".")[-1] for m in meta],
-                    "shapes": [list(m.shape) for m in meta]})
-            self._broadcast(self.source, meta)
-
-        def finish(self):
-            self.receiving.result()
-            self.client.finish_weight_update()
-
-        def _broadcast(self, source, meta):
-            if not self.is_sender:
-                for _ in source:  # the other ranks take part in ZeRO-3's gathers
-                    pass
-                return
-            bucket, size, sending = [], 0, None
-            for i, (_, tensor) in enumerate(self._checked_iter(source, meta)):
-                bucket.append(as_bytes(tensor))
-                size += bucket[-1].numel()
-                if size >= bucket_bytes or i == len(meta) - 1:
-                    # Packed into one of two buffers kept across updates (new memory is slow to touch) while the
-                    # other is being sent.
-                    self.slots.reverse()
-                    if self.slots[0].numel() < size:
-                        self.slots[0] = torch.empty(size, dtype=torch.uint8)
-                    packed = torch.cat(bucket, out=self.slots[0][:size])
-                    if sending is not None:
-                        sending.wait()
-                    sending = self.model_update_group.broadcast(packed, 0)
-                    bucket, size = [], 0
-            sending.wait()
-
-        def shutdown(self):
-            self.model_update_group = None
-
-    if "gloo" not in WeightTransferEngineFactory._registry:
-        WeightTransferEngineFactory.register_engine("gloo", GlooWeightTransferEngine)
-    return GlooWeightTransferEngine, GlooTrainerWeightTransferEngine
-
-
-def __getattr__(name):
-    """vLLM's engine process on CPU looks up this script's VllmWorkerExtension, which start_vllm names as its worker
-    extension: the lookup (of a name the script does not define, so it lands here) registers the gloo weight transfer
-    backend in that process, where the engine is created. The extension itself adds nothing."""
-    if name != "VllmWorkerExtension":
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    gloo_weight_transfer()
-    return type(name, (), {})
+def check_weight_sync(args):
+    """--weight-sync, by default memory on a GPU and file on a CPU: vLLM moves weights in memory on GPUs only (NCCL,
+    CUDA IPC), unless a vLLM plugin provides its "nccl" engine on a CPU, as tests/cpu_weight_transfer does for CI."""
+    cuda = torch.cuda.is_available()
+    if args.weight_sync is None:
+        args.weight_sync = "memory" if cuda else "file"
+    if args.weight_sync not in ("memory", "file"):
+        fail("weight_sync", f"must be memory or file, got {args.weight_sync!r}")
+    if args.weight_sync == "memory" and not cuda and \
+            not importlib.metadata.entry_points(group="vllm.general_plugins", name="cpu_weight_transfer"):
+        fail("weight_sync", "memory needs a GPU (vLLM's NCCL or CUDA IPC weight transfer); use file on a CPU")
 
 
 def weight_transfer(args, llm, module, rank):
     """The learner's end of the in-memory weight hand-off: vLLM's trainer-side engine for the backend vLLM's engine
-    was started with (start_vllm: NCCL to a GPU of its own, CUDA IPC on one it shares, gloo on CPU), connected to
-    it. Every rank calls this and its send_weights(): rank 0 sends, the others take part in ZeRO-3's gathers."""
-    from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo, IPCTrainerWeightTransferEngine
-    from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo, NCCLTrainerWeightTransferEngine
+    was started with (start_vllm: NCCL to a GPU of its own, CUDA IPC on one it shares), connected to it. Every rank
+    calls this and its send_weights(): rank 0 sends, the others take part in ZeRO-3's gathers."""
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+    from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo
+    from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
 
     backend = [llm.llm_engine.vllm_config.weight_transfer_config.backend if rank == 0 else None]
     if args.world_size > 1:  # the other ranks learn it from rank 0
@@ -1653,20 +1532,14 @@ def weight_transfer(args, llm, module, rank):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        engine = NCCLTrainerWeightTransferEngine
         info = NCCLTrainerInitInfo("127.0.0.1", port, 2, rank=rank, packed_buffer_size_bytes=buffer_bytes)
-    elif backend[0] == "ipc":
-        # packed: in bounded chunks (unpacked, it would keep a copy of every tensor until the update ends)
-        engine = IPCTrainerWeightTransferEngine
+    else:  # packed: in bounded chunks (unpacked, it would keep a copy of every tensor until the update ends)
         info = IPCTrainerInitInfo(rank=rank, packed=True, packed_buffer_size_bytes=buffer_bytes)
-    else:
-        engine = gloo_weight_transfer()[1]
-        info = engine.init_info_cls(rank=rank, timeout=args.generation_timeout)
     if rank != 0:
-        return engine.trainer_init(info, client=None, source=source)
+        return WeightTransferTrainerFactory.trainer_init(info, client=None, source=source)
     client = VllmClient(llm, args.generation_timeout)
     with hand_off_watchdog("connecting to vLLM's worker", client):
-        return engine.trainer_init(info, client=client, source=source)
+        return WeightTransferTrainerFactory.trainer_init(info, client=client, source=source)
 
 
 def packed_buffer_bytes(metadata, bound=256 * 2**20):
@@ -1902,7 +1775,7 @@ class GenerationThread:
     def wait_for_receiver(self, version):
         """Wait until the generator has generated every batch of older policies and waits for this version: then the
         learner may replace vLLM's weights in memory."""
-        ready = self._take(self.receivers, f"the generator to take version {version} of the policy",
+        ready = self._take(self.receivers, f"the generator's wait for version {version} of the policy",
                            check=self.raise_if_failed)
         assert ready == version, (ready, version)
 
@@ -1923,10 +1796,10 @@ class GenerationThread:
     def close(self):
         """Stop the thread and the engine and delete the handed-over weights (safe to call twice)."""
         self.stopping.set()
-        if self.args.weight_sync == "memory" and not self.llm.llm_engine.engine_core.resources.engine_dead:
+        if self.args.weight_sync == "memory" and not engine_dead(self.llm):
             with contextlib.suppress(Exception):  # else vLLM's worker, holding the connection, exits 10 s later
-                VllmClient(self.llm, timeout=5)._call("shutdown_weight_transfer_engine")
-        self.llm.llm_engine.engine_core.shutdown(timeout=30)
+                VllmClient(self.llm, timeout=5).call("shutdown_weight_transfer_engine")
+        shut_down(self.llm)
         if self.thread.is_alive():
             self.thread.join(timeout=5)  # a daemon: if it is stuck in a dead engine, the process exits without it
         shutil.rmtree(self.weights_dir, ignore_errors=True)
@@ -1936,22 +1809,17 @@ class GenerationThread:
             raise SystemExit(f"error: {self.error}")
         if self.error is not None:
             raise RuntimeError(f"the generator failed: {self.error!r}") from self.error
-        if self.llm.llm_engine.engine_core.resources.engine_dead:  # a generate() waiting on it never returns
+        if engine_dead(self.llm):
             raise RuntimeError("the generator failed: vLLM's engine process died")
 
     def _take(self, source, what, check):
         """The next item of a queue, waiting at most --generation-timeout and calling `check` meanwhile."""
-        deadline = time.time() + self.args.generation_timeout
-        while True:
-            try:
-                return source.get(timeout=0.2)
-            except queue.Empty:
-                pass
+        def checks():
             check()
             if self.stopping.is_set():
                 raise RuntimeError("the learner stopped")
-            if time.time() > deadline:
-                raise TimeoutError(f"waited {self.args.generation_timeout} s for {what} (--generation-timeout)")
+
+        return wait_for(lambda: source.get(timeout=0.2), what, self.args.generation_timeout, checks)
 
     def _run(self):
         args, world_size = self.args, self.args.world_size
@@ -1962,7 +1830,7 @@ class GenerationThread:
                 t0 = time.time()
                 while loaded < generating_version(update, self.first_version, self.off_policy_steps):
                     self.receivers.put(loaded + 1)  # for wait_for_receiver(): vLLM is idle until the next version
-                    loaded, weights_path, finish, expected = self._take(self.versions, "new weights", check=lambda: None)
+                    loaded, weights_path, finish, expected = self._take(self.versions, "waiting for new weights", check=lambda: None)
                     if weights_path is not None:
                         load_into_vllm(self.llm, weights_path)
                         shutil.rmtree(weights_path, ignore_errors=True)

@@ -6,7 +6,8 @@ here) and times each way of handing it a new version of the weights, the median 
 
 - file (`--weight-sync file`): the learner writes a save_pretrained directory to /dev/shm (learner side), vLLM
   reloads it and empties its prefix cache (generator side); the total is both, one after the other.
-- memory (the default): vLLM's weight transfer, over gloo on CPU. The learner starts the update and broadcasts
+- memory (`--weight-sync memory`, the default on GPUs): vLLM's weight transfer; on a CPU, vLLM's NCCL engines over
+  gloo, from the tests' vLLM plugin (tests/cpu_weight_transfer, put on PYTHONPATH here). The learner starts the update and broadcasts
   the tensors while vLLM's worker receives and loads them (learner side: until the last bytes have gone); the
   generator then waits for the worker to finish loading and finishes the update (finish_weight_update, the prefix
   cache emptied). vLLM is busy from the start to the end: generator side = total.
@@ -30,6 +31,9 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+PLUGIN = os.path.join(ROOT, "tests", "cpu_weight_transfer")  # vLLM loads it in this process and in its engine's
+sys.path.insert(0, PLUGIN)
+os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [PLUGIN, os.environ.get("PYTHONPATH")]))
 
 import torch  # noqa: E402
 from transformers import AutoTokenizer, GPTNeoXConfig, GPTNeoXForCausalLM  # noqa: E402
@@ -112,7 +116,7 @@ def measure(size, bf16, repeats, tokenizer):
                 memory_total.append(time.perf_counter() - t0)
                 memory_gap.append(vllm_gap(llm, model))
         finally:
-            llm.llm_engine.engine_core.shutdown(timeout=30)
+            script.shut_down(llm)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     median = statistics.median

@@ -15,6 +15,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(ROOT, "assets", "tiny")
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "assets"))
+# vLLM loads tests/cpu_weight_transfer (its "nccl" weight transfer over gloo) in every process it runs, the scripts'
+# too: the in-memory hand-off (--weight-sync memory) on this CPU.
+CPU_WEIGHT_TRANSFER = os.path.join(ROOT, "tests", "cpu_weight_transfer")
+sys.path.insert(0, CPU_WEIGHT_TRANSFER)
+os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [CPU_WEIGHT_TRANSFER, os.environ.get("PYTHONPATH")]))
 
 SMOLLM2 = os.path.join(ROOT, "assets", "smollm2")
 

@@ -14,7 +14,7 @@ import psutil
 import pytest
 import torch
 import vllm
-from conftest import ROOT, TINY, read_metrics, run_dir_of
+from conftest import CPU_WEIGHT_TRANSFER, ROOT, TINY, read_metrics, run_dir_of
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 from vllm.inputs import TokensPrompt
 
@@ -89,7 +89,7 @@ def _train(model, prompts, tokenizer, answer):
 
 @pytest.mark.parametrize("kind", ["gpt_neox", "llama"])
 def test_after_a_weight_push_vllm_greedy_equals_hf_greedy(tmp_path, monkeypatch, kind):
-    """Both hand-offs: in memory (vLLM's weight transfer, over gloo on CPU) and, after more training, through a
+    """Both hand-offs: in memory (vLLM's weight transfer; on this CPU tests/cpu_weight_transfer's gloo) and, after more training, through a
     save_pretrained directory (--weight-sync file)."""
     tokenizer = AutoTokenizer.from_pretrained(os.path.join(TINY, "sft"))
     model = _policy(kind, tokenizer).eval()
@@ -128,7 +128,7 @@ def test_after_a_weight_push_vllm_greedy_equals_hf_greedy(tmp_path, monkeypatch,
         script.load_into_vllm(llm, str(tmp_path / "v2"))
         assert _greedy_vllm(llm, prompts, tokenizer, 12) == _greedy_hf(model, prompts, tokenizer, 12) != after
     finally:
-        llm.llm_engine.engine_core.shutdown(timeout=30)
+        script.shut_down(llm)
     model = after_model
     # ... with the new weights' probabilities: no key or value of the shared block survives from the old weights.
     expected = _logprobs_hf(model, prompts, after_logprobs)
@@ -165,9 +165,8 @@ def test_an_engine_killed_during_an_in_memory_push_ends_it_within_seconds(tmp_pa
                     engine.send_signal(signal.SIGKILL)
                 yield item
 
-    trainer = script.gloo_weight_transfer()[1]
-    transfer = trainer.trainer_init(trainer.init_info_cls(rank=0, timeout=600),
-                                    client=script.VllmClient(llm, timeout=600), source=KillingWeights(model))
+    transfer = script.weight_transfer(args, llm, model, rank=0)
+    transfer.source = KillingWeights(model)
     start = time.time()
     try:
         # The learner's side fails if the bytes cannot go; else the generator's, finishing the update, does.
@@ -175,7 +174,7 @@ def test_an_engine_killed_during_an_in_memory_push_ends_it_within_seconds(tmp_pa
             script.hand_over_weights(model, 1, transfer=transfer, generator=None, weights_dir=None)
             transfer.finish()
     finally:
-        llm.llm_engine.engine_core.shutdown(timeout=30)
+        script.shut_down(llm)
     assert time.time() - start < 30
 
 
@@ -196,7 +195,7 @@ args = script.Args(bf16=False, response_length=12, batch_size=8, vllm_enforce_ea
                    generation_timeout=5 if sys.argv[3] == "stop" else 60)
 args.world_size = 1
 llm = script.start_vllm(args, sys.argv[1], weight_transfer=True)
-atexit.register(llm.llm_engine.engine_core.shutdown)  # as the scripts' generator.close
+atexit.register(llm.llm_engine.engine_core.shutdown)  # as the scripts' generator.close, with its default timeout
 (worker,) = [p for p in psutil.Process().children(recursive=True) if p.cmdline()[:1] == ["VLLM::Worker"]]
 transfer = script.weight_transfer(args, llm, model, 0)
 
@@ -226,7 +225,7 @@ def _hung_push(tmp_path, how):
     process = subprocess.Popen([sys.executable, "-c", HUNG_PUSH, str(tmp_path / "model"), os.path.join(TINY, "sft"),
                                 how],
                                cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                               env={**os.environ, "PYTHONPATH": ROOT}, start_new_session=True)
+                               env={**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, CPU_WEIGHT_TRANSFER])}, start_new_session=True)
     family, pushing = [], None
     try:
         while pushing is None:  # the engine's processes, once it has started

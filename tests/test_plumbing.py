@@ -442,12 +442,12 @@ def test_the_hand_offs_packing_buffers_fit_the_largest_parameter_and_are_bounded
     large = torch.nn.Sequential(torch.nn.Embedding(152064, 3584, device="meta", dtype=torch.bfloat16), small)
     assert online_dpo_vllm.packed_buffer_bytes(online_dpo_vllm.PolicyWeights(small).metadata()) == 256 * 2**20
     assert online_dpo_vllm.packed_buffer_bytes(online_dpo_vllm.PolicyWeights(large).metadata()) == 152064 * 3584 * 2
-    from vllm.distributed.weight_transfer import ipc_engine, nccl_engine
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
     given = {}
-    for backend, engine in (("ipc", ipc_engine.IPCTrainerWeightTransferEngine),
-                            ("nccl", nccl_engine.NCCLTrainerWeightTransferEngine)):
-        monkeypatch.setattr(engine, "trainer_init", classmethod(lambda cls, info, **kw: given.setdefault(backend, info)))
+    monkeypatch.setattr(WeightTransferTrainerFactory, "trainer_init",
+                        classmethod(lambda cls, info, **kw: given.setdefault(info.backend, info)))
+    for backend in ("ipc", "nccl"):
         config = types.SimpleNamespace(weight_transfer_config=types.SimpleNamespace(backend=backend))
         llm = types.SimpleNamespace(llm_engine=types.SimpleNamespace(vllm_config=config))
         args = online_dpo_vllm.Args()
@@ -479,3 +479,23 @@ def test_every_deepspeed_config_is_valid_as_the_scripts_fill_it_in(config_file):
             # zero3_offload.json offloads the parameters of frozen models too, not only the policy's
             offloaded = parsed.zero_config.offload_param is not None and parsed.zero_config.offload_param.device == "cpu"
             assert offloaded == ("offload_param" in zero)
+
+
+def test_weight_sync_is_memory_on_gpus_and_file_on_a_cpu_where_memory_needs_a_vllm_plugin(monkeypatch, capsys):
+    """vLLM's weight transfer runs on GPUs (NCCL, CUDA IPC); on a CPU only with a plugin giving its "nccl" engine,
+    such as tests/cpu_weight_transfer (on PYTHONPATH in the tests, see conftest.py). Without one, --weight-sync
+    memory on a CPU is bad input."""
+    check = online_dpo_vllm.check_weight_sync
+    for cuda, default in ((False, "file"), (True, "memory")):
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+        args = online_dpo_vllm.Args()
+        check(args)
+        assert args.weight_sync == default
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    check(online_dpo_vllm.Args(weight_sync="memory"))  # the tests' plugin is installed
+    monkeypatch.setenv("PYTHONPATH", "")
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if "cpu_weight_transfer" not in p])
+    with pytest.raises(SystemExit) as exit:
+        check(online_dpo_vllm.Args(weight_sync="memory"))
+    (line,) = capsys.readouterr().err.splitlines()
+    assert exit.value.code == 2 and line.startswith("error: --weight-sync: memory needs a GPU")

@@ -64,7 +64,7 @@ def _expected(model, probe, names):
 
 
 def test_tied_embeddings_reach_vllm_in_memory_and_through_files(smollm2, tmp_path):
-    """A tied model, moved far, handed to vLLM in memory (gloo on CPU) and then through a directory: vLLM's top-5
+    """A tied model, moved far, handed to vLLM in memory (tests/cpu_weight_transfer on this CPU) and then through a directory: vLLM's top-5
     log-probabilities equal the HF model's to 1e-4 (3.6 apart before the fix: vLLM kept the first output layer).
     The run-time check passes, and names the output layer when vLLM is given the model as transformers saves it."""
     path = os.path.join(smollm2, "model")
@@ -107,7 +107,7 @@ def test_tied_embeddings_reach_vllm_in_memory_and_through_files(smollm2, tmp_pat
         with pytest.raises(script.WeightsDiffer, match=r"version 3 .* parameters that differ: lm_head\.weight"):
             script.check_vllm_weights(llm, 3, prompts, _expected(model, prompts, names), bf16=False)
     finally:
-        llm.llm_engine.engine_core.shutdown(timeout=30)
+        script.shut_down(llm)
 
 
 def test_pad_is_not_eos_and_the_chat_templates_end_of_turn_is_attended_to(smollm2):
@@ -147,10 +147,11 @@ SMOLLM2_RUN = ["--dataset-name", "assets/smollm2/data", "--rule-reward", "last_n
 
 @pytest.fixture(scope="module")
 def sync_run(smollm2, tmp_path_factory):
-    """rloo_vllm.py --sync on the real model in float32, 3 updates, every hand-off checked, checkpoints 2 and 3."""
+    """rloo_vllm.py --sync on the real model in float32, 3 updates, every hand-off (in memory) checked, checkpoints 2
+    and 3."""
     out = tmp_path_factory.mktemp("smollm2_sync")
     run_script("rloo_vllm.py", "--sft-model-path", os.path.join(smollm2, "model"), *SMOLLM2_RUN, "--sync",
-               "--total-episodes", "12", "--check-weights-every", "1", "--save-every", "2", "--output-dir", str(out),
+               "--total-episodes", "12", "--weight-sync", "memory", "--check-weights-every", "1", "--save-every", "2", "--output-dir", str(out),
                timeout=900)
     return run_dir_of(str(out))
 

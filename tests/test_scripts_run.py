@@ -93,7 +93,7 @@ LEARNING = [
     (["bok.py"], 2.0, 0.4),
     (["ppo.py"], 2.0, 0.4),
     (["online_dpo_vllm.py"], 2.0, 0.4),
-    (["rloo_vllm.py"], 2.0, 0.4),
+    (["rloo_vllm.py", "--weight-sync", "memory"], 2.0, 0.4),
     (["ppo_vllm.py"], 2.0, 0.4),
     (["bok_vllm.py"], 2.0, 0.4),
     (["online_dpo_vllm.py", "--sync"], 2.0, 0.4),
@@ -101,7 +101,8 @@ LEARNING = [
     (["ppo_vllm.py", "--sync"], 2.0, 0.4),
     (["bok_vllm.py", "--sync"], 2.0, 0.4),
 ]
-# (--sync runs the same generator with K = 0, shared by the four *_vllm.py, and each script learns both ways. The
+# (--sync runs the same generator with K = 0, shared by the four *_vllm.py, and each script learns both ways; the
+# asynchronous rloo_vllm.py hands its weights over in memory, the others through files, the CPU's default. The
 # first batch of every asynchronous run is on-policy: its correction weights must be 1 (PPO's per token, the
 # strictest); the full-disk test runs rloo_vllm.py --sync too.)
 
@@ -187,9 +188,11 @@ RESUME = [["rloo.py"], ["ppo.py"]] + [
 
 @pytest.mark.parametrize("command", RESUME, ids=[" ".join(c) for c in RESUME])
 def test_resume_after_a_kill_reproduces_the_uninterrupted_run(tmp_path, command):
-    common = [*command, "--total-episodes", "384", "--eval-every", "2", "--save-every", "2"]
-    # online_dpo_vllm.py's uninterrupted run hands its weights to vLLM through files: in float32 the in-memory
-    # hand-off (the default, which the killed and resumed runs take) gives vLLM the same weights, bit for bit.
+    # The *_vllm.py scripts hand their weights over in memory (tests/cpu_weight_transfer on this CPU), but for
+    # online_dpo_vllm.py's uninterrupted run, through files (the CPU's default): in float32 both give vLLM the same
+    # weights, bit for bit.
+    memory = ["--weight-sync", "memory"] if command[0].endswith("_vllm.py") else []
+    common = [*command, *memory, "--total-episodes", "384", "--eval-every", "2", "--save-every", "2"]
     files = ["--weight-sync", "file"] if command[0] == "online_dpo_vllm.py" else []
     env = {**os.environ, "WANDB_MODE": "offline"}
     # An asynchronous script's uninterrupted run and the one to be killed run at once (its schedule does not depend
@@ -288,7 +291,7 @@ def test_two_process_deepspeed_zero2_and_zero3_train_the_same_model(tmp_path, sc
         out, port = tmp_path / f"zero{stage}", free_port()
         nodes = 2 if two_nodes and stage == 3 else 1
         outputs = launch_two_processes(tmp_path, port, [
-            script, *arguments, *(["--weight-sync", "file"] if script.endswith("_vllm.py") and stage == 2 else []),
+            script, *arguments, *(["--weight-sync", "file" if stage == 2 else "memory"] if script.endswith("_vllm.py") else []),
             "--deepspeed-config", f"ds_configs/zero{stage}.json", "--per-device-train-batch-size",
             "32", "--total-episodes", str(64 * updates), "--output-dir", str(out)], nodes)
         for left in glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_*_{port}_*"):  # DeepSpeed's CPU op leaves 64 MB a rank
