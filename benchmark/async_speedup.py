@@ -20,6 +20,7 @@ seeds (one seed's accuracy on the 288 test problems moves by about 0.025 between
     python benchmark/async_speedup.py --scripts online_dpo_vllm --total-episodes 64000 --off-policy-steps 2
     python benchmark/async_speedup.py --task smollm2 --scripts rloo_vllm --total-episodes 320   # a real model, 16 minutes
     python benchmark/async_speedup.py --task smollm2 --scripts online_dpo_vllm --total-episodes 320 --learning-rate 3e-6
+    python benchmark/async_speedup.py --task smollm2 --scripts ppo_vllm bok_vllm --total-episodes 320 --seeds 1 2
 
 Any other argument is passed to every run (for example --learning-rate 1e-4).
 """
@@ -47,6 +48,9 @@ SMOLLM2 = ["--sft-model-path", "assets/smollm2/model", "--dataset-name", "assets
 
 
 def run(script, mode_arguments, total_episodes, extra, output_dir):
+    if script.startswith("ppo") and "--k" in extra:  # PPO samples one response per prompt: it has no --k
+        i = extra.index("--k")
+        extra = extra[:i] + extra[i + 2:]
     command = [sys.executable, f"{script}.py", *mode_arguments, "--total-episodes", str(total_episodes),
                "--eval-every", "0", "--output-dir", output_dir, *extra]  # a later --eval-every in extra wins
     started = time.time()
