@@ -576,7 +576,7 @@ def start_vllm(args, model_path, weight_transfer=False):
     The engine process reads CUDA_VISIBLE_DEVICES (GPU) or VLLM_CPU_OMP_THREADS_BIND (CPU cores)
     when it starts, so they are set around its construction and restored after. With `weight_transfer`
     it takes weights in memory (see weight_transfer()): by NCCL on a GPU of its own, by CUDA IPC on a GPU
-    it shares (on a CPU: vLLM's "nccl" engine, which only a plugin such as tests/cpu_weight_transfer provides)."""
+    it shares (on a CPU: vLLM's "nccl" engine, which only the tests' plugin, tests/cpu_weight_transfer, provides)."""
     from vllm import LLM
 
     # Log-probabilities returned with samples are those of the distribution sampled from (after temperature).

@@ -20,7 +20,6 @@ updates old the policy behind each trained batch was (K, or fewer for the first 
 
 import atexit
 import collections
-import concurrent.futures
 import contextlib
 import hashlib
 import importlib.metadata
@@ -1122,7 +1121,7 @@ def start_vllm(args, model_path, weight_transfer=False):
     The engine process reads CUDA_VISIBLE_DEVICES (GPU) or VLLM_CPU_OMP_THREADS_BIND (CPU cores)
     when it starts, so they are set around its construction and restored after. With `weight_transfer`
     it takes weights in memory (see weight_transfer()): by NCCL on a GPU of its own, by CUDA IPC on a GPU
-    it shares (on a CPU: vLLM's "nccl" engine, which only a plugin such as tests/cpu_weight_transfer provides)."""
+    it shares (on a CPU: vLLM's "nccl" engine, which only the tests' plugin, tests/cpu_weight_transfer, provides)."""
     from vllm import LLM
 
     # Log-probabilities returned with samples are those of the distribution sampled from (after temperature).
@@ -1273,29 +1272,28 @@ def save_for_vllm(policy, path):
 
 def in_thread(function, *args):
     """Start function(*args) in a daemon thread, so that a call stuck in a dead engine can be left behind rather
-    than waited for; returns its Future."""
-    done = concurrent.futures.Future()
+    than waited for; returns a queue that receives (its result, None) or (None, the exception it raised)."""
+    box = queue.Queue(1)
 
     def run():
         try:
-            done.set_result(function(*args))
+            box.put((function(*args), None))
         except BaseException as error:
-            done.set_exception(error)
+            box.put((None, error))
 
     threading.Thread(target=run, name=getattr(function, "__name__", "call"), daemon=True).start()
-    return done
+    return box
 
 
-def wait_for(take, what, timeout, check):
-    """take() (a queue's get or a Future's result, each waiting a moment) until it returns, at most `timeout`
-    seconds; `check()` runs in between and raises to stop the wait (the generator failed, vLLM's engine died)."""
+def wait_for(source, what, timeout, check):
+    """The next item of queue `source`, waiting at most `timeout` seconds; `check()` runs every 0.1 s meanwhile and
+    raises to stop the wait (the generator failed, vLLM's engine died)."""
     deadline = time.time() + timeout
     while True:
         try:
-            return take()
-        except (queue.Empty, TimeoutError):
-            pass
-        check()
+            return source.get(timeout=0.1)
+        except queue.Empty:
+            check()
         if time.time() > deadline:
             raise TimeoutError(f"{what} took more than {timeout} s (--generation-timeout)")
 
@@ -1337,15 +1335,18 @@ class VllmClient:
             if engine_dead(self.llm):
                 raise RuntimeError(f"vLLM's engine process died during {step}")
 
-        done = in_thread(getattr(self.llm, step), *request)
+        # The learner may be waiting in a collective that vLLM's worker has left or never joins: hand_off_watchdog()
+        # must know of a failure at once.
         try:
-            return wait_for(lambda: done.result(timeout=0.1), step, self.timeout, check)
-        except Exception as error:  # vLLM's worker failed (out of memory for its buffers, ...), its engine died, or
-            # the call timed out: the learner may be waiting in a collective that the worker has left, so
-            # hand_off_watchdog() must know at once
-            cause = (str(error).strip().splitlines() or [type(error).__name__])[-1]  # a worker's traceback ends so
-            self.failure = f"weight hand-off: {f'{step} failed in vLLM: ' if done.done() else ''}{cause}"
+            result, error = wait_for(in_thread(getattr(self.llm, step), *request), step, self.timeout, check)
+        except Exception as error:  # the engine died, or the call did not return in time
+            self.failure = f"weight hand-off: {error}"
             raise
+        if error is not None:  # raised in vLLM's worker (out of memory for its buffers, ...)
+            cause = (str(error).strip().splitlines() or [type(error).__name__])[-1]  # a worker's traceback ends so
+            self.failure = f"weight hand-off: {step} failed in vLLM: {cause}"
+            raise error
+        return result
 
 
 @contextlib.contextmanager
@@ -1406,7 +1407,7 @@ class PolicyWeights:
 
 def check_weight_sync(args):
     """--weight-sync, by default memory on a GPU and file on a CPU: vLLM moves weights in memory on GPUs only (NCCL,
-    CUDA IPC), unless a vLLM plugin provides its "nccl" engine on a CPU, as tests/cpu_weight_transfer does for CI."""
+    CUDA IPC), or on a CPU with the tests' vLLM plugin, cpu_weight_transfer (its "nccl" engine over gloo)."""
     cuda = torch.cuda.is_available()
     if args.weight_sync is None:
         args.weight_sync = "memory" if cuda else "file"
@@ -1677,7 +1678,7 @@ class GenerationThread:
     def wait_for_receiver(self, version):
         """Wait until the generator has generated every batch of older policies and waits for this version: then the
         learner may replace vLLM's weights in memory."""
-        ready = self._take(self.receivers, f"the generator's wait for version {version} of the policy",
+        ready = self._take(self.receivers, f"the generator's batches before version {version} of the policy",
                            check=self.raise_if_failed)
         assert ready == version, (ready, version)
 
@@ -1721,7 +1722,7 @@ class GenerationThread:
             if self.stopping.is_set():
                 raise RuntimeError("the learner stopped")
 
-        return wait_for(lambda: source.get(timeout=0.2), what, self.args.generation_timeout, checks)
+        return wait_for(source, what, self.args.generation_timeout, checks)
 
     def _run(self):
         args, world_size = self.args, self.args.world_size

@@ -111,7 +111,7 @@ def measure(size, bf16, repeats, tokenizer):
                 t0 = time.perf_counter()
                 transfer.send_weights()
                 t1 = time.perf_counter()
-                transfer.finish()
+                getattr(transfer, "finish", lambda: None)()  # the CPU plugin's engine leaves vLLM's load to it
                 memory_learner.append(t1 - t0)
                 memory_total.append(time.perf_counter() - t0)
                 memory_gap.append(vllm_gap(llm, model))

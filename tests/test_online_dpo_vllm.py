@@ -195,7 +195,7 @@ args = script.Args(bf16=False, response_length=12, batch_size=8, vllm_enforce_ea
                    generation_timeout=5 if sys.argv[3] == "stop" else 60)
 args.world_size = 1
 llm = script.start_vllm(args, sys.argv[1], weight_transfer=True)
-atexit.register(llm.llm_engine.engine_core.shutdown)  # as the scripts' generator.close, with its default timeout
+atexit.register(llm.llm_engine.engine_core.shutdown)  # (the scripts' generator.close waits up to 30 s)
 (worker,) = [p for p in psutil.Process().children(recursive=True) if p.cmdline()[:1] == ["VLLM::Worker"]]
 transfer = script.weight_transfer(args, llm, model, 0)
 

@@ -191,22 +191,22 @@ def test_resume_after_a_kill_reproduces_the_uninterrupted_run(tmp_path, command)
     # The *_vllm.py scripts hand their weights over in memory (tests/cpu_weight_transfer on this CPU), but for
     # online_dpo_vllm.py's uninterrupted run, through files (the CPU's default): in float32 both give vLLM the same
     # weights, bit for bit.
-    memory = ["--weight-sync", "memory"] if command[0].endswith("_vllm.py") else []
-    common = [*command, *memory, "--total-episodes", "384", "--eval-every", "2", "--save-every", "2"]
+    common = [*command, "--total-episodes", "384", "--eval-every", "2", "--save-every", "2"]
     files = ["--weight-sync", "file"] if command[0] == "online_dpo_vllm.py" else []
+    memory = ["--weight-sync", "memory"] if command[0].endswith("_vllm.py") else []
     env = {**os.environ, "WANDB_MODE": "offline"}
     # An asynchronous script's uninterrupted run and the one to be killed run at once (its schedule does not depend
     # on timing; its learner takes one core, and start-up leaves cores idle); a synchronous script's learner takes
     # every core, so its two runs take turns.
     with open(tmp_path / "whole.log", "w") as log:
-        whole = subprocess.Popen([sys.executable, *common, *files, "--output-dir", str(tmp_path / "whole")],
+        whole = subprocess.Popen([sys.executable, *common, *(files or memory), "--output-dir", str(tmp_path / "whole")],
                                  cwd=ROOT, env=env, stdout=log, stderr=log)
     if not command[0].endswith("_vllm.py"):
         whole.wait(timeout=600)
 
     # Kill the second run as soon as its first checkpoint is complete, then resume it.
     out = tmp_path / "killed"
-    process = subprocess.Popen([sys.executable, *common, "--output-dir", str(out)], cwd=ROOT, env=env,
+    process = subprocess.Popen([sys.executable, *common, *memory, "--output-dir", str(out)], cwd=ROOT, env=env,
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     deadline = time.time() + 300
     while not any(os.path.isdir(os.path.join(d, "checkpoint-2")) for d in out.glob("*__*")):
@@ -222,7 +222,7 @@ def test_resume_after_a_kill_reproduces_the_uninterrupted_run(tmp_path, command)
             assert [batch["version"] for batch in json.load(f)] == [0, 1]
     assert whole.wait(timeout=600) == 0, (tmp_path / "whole.log").read_text()[-3000:]
     whole = read_metrics(run_dir_of(tmp_path / "whole"))
-    run_script(*common, "--output-dir", str(out), "--resume", run_dir)
+    run_script(*common, *memory, "--output-dir", str(out), "--resume", run_dir)
     resumed = read_metrics(run_dir)
     assert [row["update"] for row in resumed] == list(range(7))
     if "--off-policy-steps" in command:

@@ -38,9 +38,8 @@ def register():
     WeightTransferTrainerFactory._registry["nccl"] = lambda: GlooTrainerWeightTransferEngine
 
 
-def connect(address, port, rank):
-    """The trainer (rank 0, which opens the store) and vLLM's worker (rank 1) in a gloo group of two."""
-    store = dist.TCPStore(address, port, 2, is_master=rank == 0, wait_for_workers=False, timeout=TIMEOUT)
+def connect(store, rank):
+    """The trainer (rank 0, which opened the store) and vLLM's worker (rank 1) in a gloo group of two."""
     return dist.ProcessGroupGloo(dist.PrefixStore("weights", store), rank, 2, TIMEOUT)
 
 
@@ -73,7 +72,8 @@ class GlooWeightTransferEngine(NCCLWeightTransferEngine):
     """vLLM's worker side."""
 
     def init_transfer_engine(self, init_info):
-        self.model_update_group = connect(init_info.master_address, init_info.master_port, 1)
+        store = dist.TCPStore(init_info.master_address, init_info.master_port, 2, is_master=False, timeout=TIMEOUT)
+        self.model_update_group = connect(store, 1)
         self.buffers = []  # kept for the next update
 
     def update_weights(self, update_info):  # vLLM's synchronizes the accelerator after, which a CPU torch refuses
@@ -110,10 +110,13 @@ class GlooTrainerWeightTransferEngine(NCCLTrainerWeightTransferEngine):
         engine = cls(client=client, source=source, is_sender=init_info.is_sender, packed=False)
         engine.slots = [torch.empty(0, dtype=torch.uint8), torch.empty(0, dtype=torch.uint8)]
         if engine.is_sender:  # vLLM's worker joins the group while this process opens it
+            # on a port the store takes itself: the one the scripts chose (master_port) may be taken since
+            store = dist.TCPStore(init_info.master_address, 0, 2, is_master=True, wait_for_workers=False,
+                                  timeout=TIMEOUT)
             joined = in_thread(client.init_weight_transfer_engine, {
-                "master_address": init_info.master_address, "master_port": init_info.master_port,
-                "rank_offset": 1, "world_size": 2})
-            engine.model_update_group = connect(init_info.master_address, init_info.master_port, 0)
+                "master_address": init_info.master_address, "master_port": store.port, "rank_offset": 1,
+                "world_size": 2})
+            engine.model_update_group = connect(store, 0)
             joined.result()
         return engine
 
@@ -140,7 +143,8 @@ class GlooTrainerWeightTransferEngine(NCCLTrainerWeightTransferEngine):
                 sending.wait()
             sending = self.model_update_group.broadcast(packed, 0)
         sending.wait()
-        assert next(tensors, None) is None  # which also ends the last module's ZeRO-3 gather (see PolicyWeights)
+        if next(tensors, None) is not None:  # (which also ends the last module's ZeRO-3 gather: see PolicyWeights)
+            raise RuntimeError("the weights yielded more tensors than their metadata declared")
 
     def finish(self):
         self.receiving.result()
