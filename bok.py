@@ -304,25 +304,17 @@ def main(args):
 def validate(args):
     """Check the arguments before any model is loaded; fill in the derived batch sizes."""
     check_gpu_driver()
-    for name in ("per_device_train_batch_size", "gradient_accumulation_steps", "num_mini_batches",
-                 "num_ppo_epochs", "response_length", "max_prompt_length", "total_episodes", "num_eval_prompts"):
-        if getattr(args, name) < 1:
-            fail(name, f"must be at least 1, got {getattr(args, name)}")
+    check_bounds(args)
     if args.k < 2:
         fail("k", f"a best of k needs at least 2 responses per prompt, got {args.k}")
     if args.per_device_train_batch_size % args.k:
         fail("k", f"must divide --per-device-train-batch-size ({args.per_device_train_batch_size}): "
                   "a micro-batch holds whole prompts")
-    if args.temperature <= 0:
-        fail("temperature", f"must be positive, got {args.temperature}")
     if args.missing_eos_mode not in ("add", "replace"):
         fail("missing_eos_mode", f"must be add or replace, got {args.missing_eos_mode!r}")
     if args.bf16 and torch.cuda.is_available() and not torch.cuda.is_bf16_supported(including_emulation=False):
         fail("bf16", "this GPU has no native bfloat16 (compute capability 8.0 or later: A100, H100, L4, RTX 30xx); "
                      "train in float32 with --no-bf16")
-    for name in ("eval_every", "save_every"):
-        if getattr(args, name) < 0:
-            fail(name, "must be 0 or more")
     args.local_batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps * args.num_mini_batches
     args.batch_size = args.local_batch_size * args.world_size
     args.num_updates = args.total_episodes // args.batch_size
@@ -411,13 +403,24 @@ def check_rewards(args):
         check_model(args, "gold_reward_model_path", reward=True)
 
 
+def check_bounds(args, positive=(), at_least_0=()):
+    """Number arguments within their bounds: the batch sizes, lengths and counts of every script at least 1, its
+    temperature and learning rate positive, its evaluation and save intervals 0 or more, and the script's own."""
+    at_least_1 = ("per_device_train_batch_size", "gradient_accumulation_steps", "num_mini_batches", "num_ppo_epochs",
+                  "response_length", "max_prompt_length", "total_episodes", "num_eval_prompts")
+    for names, low, strict in ((at_least_1, 1, False), (positive + ("temperature", "learning_rate"), 0, True),
+                               (at_least_0 + ("eval_every", "save_every"), 0, False)):
+        for name in names:
+            value = getattr(args, name)
+            if value < low or (strict and value == low):
+                fail(name, f"must be {'positive' if strict else f'at least {low}'}, got {value}")
+
+
 def check_numbers(args):
-    """Every number argument is finite, the learning rate positive and the seed one that every generator takes."""
+    """Every number argument is finite and the seed one that every generator takes."""
     for name, value in asdict(args).items():
         if isinstance(value, float) and not math.isfinite(value):
             fail(name, f"must be a finite number, got {value}")
-    if args.learning_rate <= 0:
-        fail("learning_rate", f"must be positive, got {args.learning_rate}")
     if not 0 <= args.seed < 2**31:  # vLLM's per-batch seeds are seed * 2**32 + an offset: under 2**64
         fail("seed", f"must be in [0, 2**31), got {args.seed}")
 
@@ -735,15 +738,11 @@ class SafeCheckpointEngine(TorchCheckpointEngine):
 
 
 def save_checkpoint(args, run_dir, update, episode, engines, extra_files=None):
-    """Write <run_dir>/checkpoint-<update>: every trained model as save_pretrained (the policy at the
-    top with the SFT model's own tokenizer, without the pad token load_tokenizer may add; any other model, such
-    as PPO's value model, in a subdirectory of its name) plus the full
-    training state in training_state/ (DeepSpeed's model, optimizer and scheduler state of each
-    engine, and every rank's RNG state), and rank 0's `extra_files` ({name: JSON-serialisable}).
-
-    Everything is written to a temporary directory first and renamed at the end, so an
-    interruption never leaves a half-written checkpoint behind; a failed write (a full disk) removes it
-    and ends the run with one line."""
+    """Write <run_dir>/checkpoint-<update>: every trained model as save_pretrained (the policy at the top with the SFT
+    model's own tokenizer, others such as PPO's value model in a subdirectory of their name), the training state in
+    training_state/ (each engine's DeepSpeed state, every rank's RNG state) and rank 0's `extra_files` ({name: JSON}).
+    Written to a temporary directory renamed at the end: an interruption leaves no half-written checkpoint, and a
+    failed write (a full disk) removes it and ends the run with one line."""
     final = os.path.join(run_dir, f"checkpoint-{update}")
     tmp = final + ".tmp"
     try:
@@ -809,12 +808,15 @@ def process_group_backend(cuda):
 
 def init_distributed():
     """Join the process group; a plain `python` launch is a group of one."""
-    if "RANK" not in os.environ:
-        with socket.socket() as s:  # a free port, so several single-process runs can share a machine
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    if "RANK" not in os.environ:  # a free port, so several single-process runs can share a machine
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     deepspeed.init_distributed(dist_backend=process_group_backend(torch.cuda.is_available()))
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def gathered_state_dict(engine):
@@ -873,13 +875,10 @@ def load_data(args, prompts_per_rank):
     if len(train_prompts) < prompts_per_rank * args.world_size:
         fail("per_device_train_batch_size", f"a batch needs {prompts_per_rank * args.world_size} prompts; "
                                             f"the train split has {len(train_prompts)}")
-    if (args.reward_model_path and load_tokenizer(args.reward_model_path, args.trust_remote_code).get_vocab()
-            != tokenizer.get_vocab()):
-        fail("reward_model_path", "the reward model's tokenizer differs from the policy's")
-    if (args.gold_reward_model_path and load_tokenizer(args.gold_reward_model_path, args.trust_remote_code).get_vocab()
-            != tokenizer.get_vocab()):
-        fail("gold_reward_model_path", "the gold reward model's tokenizer differs from the policy's "
-                                       "(evaluate.py scores such a model on re-tokenised text)")
+    for argument in ("reward_model_path", "gold_reward_model_path"):  # they score the policy's token ids
+        path = getattr(args, argument)
+        if path and load_tokenizer(path, args.trust_remote_code).get_vocab() != tokenizer.get_vocab():
+            fail(argument, f"the tokenizer of {path} differs from the policy's")
     return tokenizer, stop_id, train_prompts, eval_prompts, train_answers, eval_answers
 
 
@@ -902,7 +901,9 @@ def load_model(args, path, reward=False):
         model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, **dtype_and_code)
     else:
         model = AutoModelForCausalLM.from_pretrained(path, **dtype_and_code)
-    disable_dropout(model)
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
     return model
 
 
@@ -963,12 +964,6 @@ class RunLog:
     def close(self):
         if self.writer and self.track:
             self.wandb.finish()
-
-
-def disable_dropout(model):
-    for module in model.modules():
-        if isinstance(module, torch.nn.Dropout):
-            module.p = 0.0
 
 
 if __name__ == "__main__":

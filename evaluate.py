@@ -36,6 +36,7 @@ import shutil
 import sys
 import tempfile
 import time
+import unittest.mock
 from dataclasses import asdict, dataclass
 from types import SimpleNamespace
 from typing import Optional
@@ -615,16 +616,8 @@ def start_vllm(args, model_path, weight_transfer=False):
         engine_args["weight_transfer_config"] = {"backend": "nccl" if shared is None else "ipc"}
         if shared is not None:
             allow_pickled_rpc(os.environ)
-    saved = {name: os.environ.get(name) for name in env}
-    os.environ.update(env)
-    try:
+    with unittest.mock.patch.dict(os.environ, env):  # set while the engine starts, restored after
         return LLM(**engine_args)
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name)
-            else:
-                os.environ[name] = value
 
 
 def allow_pickled_rpc(environ):
@@ -754,14 +747,10 @@ def load_model(args, path, reward=False):
         model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, **dtype_and_code)
     else:
         model = AutoModelForCausalLM.from_pretrained(path, **dtype_and_code)
-    disable_dropout(model)
-    return model
-
-
-def disable_dropout(model):
     for module in model.modules():
         if isinstance(module, torch.nn.Dropout):
             module.p = 0.0
+    return model
 
 
 if __name__ == "__main__":
