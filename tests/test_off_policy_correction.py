@@ -1,4 +1,4 @@
-"""The off-policy correction of rloo_vllm.py and ppo_vllm.py against hand-computed values: truncated
+"""The off-policy correction of rloo_vllm.py, ppo_vllm.py and grpo_vllm.py against hand-computed values: truncated
 importance weights, their effective sample size, the mismatch KL, and the weighted losses."""
 
 import math
@@ -6,13 +6,15 @@ import math
 import pytest
 import torch
 
+import grpo
+import grpo_vllm
 import ppo
 import ppo_vllm
 import rloo
 import rloo_vllm
 
 
-@pytest.mark.parametrize("script", [rloo_vllm, ppo_vllm])
+@pytest.mark.parametrize("script", [rloo_vllm, ppo_vllm, grpo_vllm])
 def test_truncated_importance_weights_by_hand(script):
     # Ratios pi_prox / pi_behaviour of 1, 3 and 1/2; the fourth entry is masked out (padding).
     proximal = torch.tensor([0.0, math.log(3), -math.log(2), 5.0])
@@ -77,3 +79,22 @@ def test_with_weights_of_one_the_losses_are_the_synchronous_scripts():
     a = ppo.ppo_policy_loss(new, old, advantages[:, None].expand(6, 5), mask, 0.2)
     b = ppo_vllm.ppo_policy_loss(new, old, advantages[:, None].expand(6, 5), mask, 0.2, torch.ones(6, 5))
     assert all(torch.equal(x, y) for x, y in zip(a, b))
+    ref = torch.randn(6, 5)
+    for loss_type in grpo.LOSS_TYPES:
+        a = grpo.grpo_policy_loss(new, old, ref, advantages, mask, loss_type, 0.2, 0.3, 0.1, 5, 4.0)
+        b = grpo_vllm.grpo_policy_loss(new, old, ref, advantages, mask, loss_type, 0.2, 0.3, 0.1, 5, 4.0,
+                                       torch.ones(6, 5))
+        assert all(torch.equal(x, y) for x, y in zip(a, b)), loss_type
+
+
+def test_grpo_loss_weights_each_token_but_not_its_kl_term_by_hand():
+    old = torch.zeros(1, 3)
+    new = torch.tensor([[math.log(1.1), math.log(1.5), 0.0]])
+    ref = torch.tensor([[math.log(1.1), math.log(1.5) - 0.2, 0.0]])  # the KL term of token 2 only
+    mask = torch.tensor([[True, True, False]])
+    weights = torch.tensor([[0.5, 2.0, 1.0]])
+    loss = grpo_vllm.grpo_policy_loss(new, old, ref, torch.tensor([1.0]), mask, "grpo", 0.2, 0.2, 0.1, 3, 2.0,
+                                      weights)[0]
+    # As PPO's: token 1 -1.1, token 2 -min(1.5, 1.2) = -1.2, weighted; plus 0.1 k3(-0.2), unweighted; token 3 is padding.
+    k3 = math.exp(-0.2) + 0.2 - 1
+    assert loss.item() == pytest.approx((0.5 * -1.1 + 2.0 * (-1.2) + 0.1 * k3) / 2)

@@ -22,8 +22,8 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 
 pytestmark = pytest.mark.slow  # runs scripts or vLLM engines: minutes
 
-SCRIPTS = ["rloo.py", "online_dpo.py", "bok.py", "ppo.py", "online_dpo_vllm.py", "rloo_vllm.py", "ppo_vllm.py",
-           "bok_vllm.py"]
+SCRIPTS = ["rloo.py", "online_dpo.py", "bok.py", "ppo.py", "grpo.py", "online_dpo_vllm.py", "rloo_vllm.py",
+           "ppo_vllm.py", "bok_vllm.py", "grpo_vllm.py"]
 COMMON_METRICS = [
     "objective/scores", "objective/raw_scores", "policy/entropy_avg",
     "loss/policy_avg", "val/num_eos_tokens", "val/response_length", "lr", "episode", "time/episodes_per_second", "time/generation",
@@ -43,12 +43,15 @@ ALGORITHM_METRICS = {
     "ppo.py": ["objective/kl", "objective/entropy", "objective/non_score_reward", "objective/rlhf_reward",
                "loss/value_avg", "policy/approxkl_avg",
                "policy/clipfrac_avg", "val/clipfrac_avg", "val/ratio", "val/ratio_var", "val/explained_variance"],
+    "grpo.py": ["objective/kl", "objective/entropy", "objective/equal_score_groups", "policy/approxkl_avg",
+                "policy/clipfrac_avg", "val/ratio", "val/ratio_var"],
 }
 ALGORITHM_METRICS.update({
     "online_dpo_vllm.py": ALGORITHM_METRICS["online_dpo.py"] + ASYNC_METRICS,
     "rloo_vllm.py": ALGORITHM_METRICS["rloo.py"] + ASYNC_METRICS + CORRECTION_METRICS,
     "ppo_vllm.py": ALGORITHM_METRICS["ppo.py"] + ASYNC_METRICS + CORRECTION_METRICS,
     "bok_vllm.py": ALGORITHM_METRICS["bok.py"] + ASYNC_METRICS,
+    "grpo_vllm.py": ALGORITHM_METRICS["grpo.py"] + ASYNC_METRICS + CORRECTION_METRICS,
 })
 DEEPSPEED = os.path.join(os.path.dirname(sys.executable), "deepspeed")
 
@@ -87,21 +90,28 @@ def test_help_lists_every_argument_with_its_docstring(script):
 #   bok.py                     -0.41 -> 3.12, 0.20 -> 0.85
 #   ppo.py (34 s)              -0.42 -> 3.38, 0.20 -> 0.92
 #   rloo_vllm.py               -0.41 -> 3.18, 0.20 -> 0.87
+#   grpo.py                    -0.42 -> 3.46, 0.20 -> 0.94 (--loss-type dr_grpo 3.10, 0.86; dapo and cispo 3.39, 0.92;
+#                              gspo as grpo: one update per batch, on-policy, is where they meet; not run in CI,
+#                              test_grpo_math.py checks each loss by hand)
+#   grpo_vllm.py               -0.42 -> 3.20, 0.20 -> 0.87
 LEARNING = [
     (["rloo.py"], 2.0, 0.4),
     (["online_dpo.py"], 2.0, 0.4),
     (["bok.py"], 2.0, 0.4),
     (["ppo.py"], 2.0, 0.4),
+    (["grpo.py"], 2.0, 0.4),
     (["online_dpo_vllm.py"], 2.0, 0.4),
     (["rloo_vllm.py", "--weight-sync", "memory"], 2.0, 0.4),
     (["ppo_vllm.py"], 2.0, 0.4),
     (["bok_vllm.py"], 2.0, 0.4),
+    (["grpo_vllm.py"], 2.0, 0.4),
     (["online_dpo_vllm.py", "--sync"], 2.0, 0.4),
     (["rloo_vllm.py", "--sync"], 2.0, 0.4),
     (["ppo_vllm.py", "--sync"], 2.0, 0.4),
     (["bok_vllm.py", "--sync"], 2.0, 0.4),
+    (["grpo_vllm.py", "--sync"], 2.0, 0.4),
 ]
-# (--sync runs the same generator with K = 0, shared by the four *_vllm.py, and each script learns both ways; the
+# (--sync runs the same generator with K = 0, shared by the five *_vllm.py, and each script learns both ways; the
 # asynchronous rloo_vllm.py hands its weights over in memory, the others through files, the CPU's default. The
 # first batch of every asynchronous run is on-policy: its correction weights must be 1 (PPO's per token, the
 # strictest); the full-disk test runs rloo_vllm.py --sync too.)
@@ -126,9 +136,9 @@ def test_default_run_logs_saves_and_learns(tmp_path, command, proxy_margin, gold
     assert first["episode"] == 64 and rows[-1]["episode"] == 6400
     kl = "pairs/" if script.startswith("online_dpo") else "objective/"  # DPO: the KL of the trained pairs
     assert abs(first[kl + "kl"]) < 1e-6  # before the first update the policy is the reference
-    if script.startswith(("rloo", "ppo")):
+    if script.startswith(("rloo", "ppo", "grpo")):
         assert abs(first["val/ratio"] - 1) < 1e-5  # one update per batch: the ratio is exactly one
-    if not script.startswith("bok"):
+    if script.startswith(("rloo", "ppo", "online_dpo")):  # (GRPO's KL is in its loss, best-of-k's nowhere)
         scores = "pairs/scores" if script.startswith("online_dpo") else "objective/scores"
         assert first[kl + "rlhf_reward"] == pytest.approx(first[scores] + first[kl + "non_score_reward"])
     if script.startswith("online_dpo"):  # k = 2 and scores rarely tie: the pairs are nearly all responses
@@ -178,7 +188,7 @@ def test_default_run_logs_saves_and_learns(tmp_path, command, proxy_margin, gold
 
 # The *_vllm.py scripts resume exactly, asynchronously too: a checkpoint keeps the K batches already generated
 # for the updates after it (by policies older than its own), and the resumed run trains on them. Their generator,
-# hand-off and checkpoints are the same code in all four (test_shared_helpers.py); what each batch holds differs
+# hand-off and checkpoints are the same code in all five (test_shared_helpers.py); what each batch holds differs
 # (pairs of samples, k samples, one sample and its values), so each runs, two updates late.
 # Of the synchronous scripts, rloo.py and ppo.py (a second engine, the value model, in the checkpoint) run: online_dpo.py
 # and bok.py checkpoint as rloo.py does, and their asynchronous siblings run here (CI's 45 minutes).
@@ -470,6 +480,11 @@ BAD_INPUT = [  # (script, arguments, the argument the error must name)
     ("online_dpo.py", ["--beta", "0"], "--beta"),
     ("online_dpo.py", ["--loss-type", "hinge"], "--loss-type"),
     ("online_dpo.py", ["--response-length", "100"], "--response-length"),
+    ("grpo.py", ["--loss-type", "ppo"], "--loss-type"),
+    ("grpo.py", ["--k", "1"], "--k"),
+    ("grpo.py", ["--beta", "-0.1"], "--beta"),
+    ("grpo_vllm.py", ["--cliprange-high", "0"], "--cliprange-high"),
+    ("grpo_vllm.py", ["--loss-type", "dapo", "--cliprange-low", "-1"], "--cliprange-low"),
     ("bok.py", ["--k", "1"], "--k"),
     ("bok.py", ["--k", "3"], "--k"),
     ("bok.py", ["--total-episodes", "10"], "--total-episodes"),
