@@ -18,7 +18,6 @@ one-digit sums with the last-number rule as reward (assets/make_smollm2.py build
 learn there (docs/results.md): 8 prompts x 4 completions x 16 new tokens an update, learning rate 3e-6; `rloo.py`
 against TRL's RLOOTrainer (TRL applies the same chat template and is given the same rule as a reward function).
 
-    pip install -r requirements-bench.txt        # TRL, on top of the CPU install
     python benchmark/throughput.py               # 3 rounds, fp32 and bf16, ours and TRL: about 22 minutes
     python benchmark/throughput.py --quick       # CI: our scripts once, fp32, 6 updates, no TRL
     python benchmark/throughput.py --task smollm2 --rounds 1 --updates 6 --precision fp32   # about 12 minutes

@@ -123,3 +123,42 @@ def test_a_group_of_equal_scores_adds_nothing_but_a_kl_term():
         loss = grpo.grpo_policy_loss(new, old, old, advantages, torch.ones(3, 2, dtype=torch.bool), loss_type,
                                      0.2, 0.2, 0.0, 2, 6.0)[0]
         assert loss.item() == 0.0, loss_type
+
+
+@pytest.mark.parametrize("loss_type", grpo.LOSS_TYPES)
+def test_every_loss_type_equals_trls_grpo_trainer(loss_type):
+    """The same loss computed by TRL 1.16's GRPOTrainer._compute_loss on the same log-probabilities (its `self` a stub
+    holding the settings it reads). TRL's names: GSPO is loss_type "grpo" with importance_sampling_level "sequence";
+    CISPO's cap is its epsilon_high (our 1 + --cliprange-high); DAPO's and CISPO's token count is num_items_in_batch."""
+    import collections
+    import types
+
+    from trl.trainer.grpo_trainer import GRPOTrainer
+
+    torch.manual_seed(0)
+    batch, length, low, high, beta, mean_tokens = 6, 5, 0.2, 0.28, 0.04, 17.0
+    mask = torch.rand(batch, length) > 0.25
+    mask[:, 0] = True
+    old, ref = -torch.rand(batch, length) * 3, -torch.rand(batch, length) * 3
+    new = old + torch.randn(batch, length) * 0.3  # ratios from about 0.4 to 2.5: both bounds clip
+    advantages = torch.randn(batch)
+    ours = grpo.grpo_policy_loss(new.masked_fill(~mask, 0.0), old.masked_fill(~mask, 0.0),
+                                 ref.masked_fill(~mask, 0.0), advantages, mask, loss_type, low, high, beta,
+                                 response_length=length, mean_tokens=mean_tokens)[0]
+
+    stub = types.SimpleNamespace(
+        _get_per_token_logps_and_entropies=lambda *args, **kwargs: (new, torch.zeros_like(new), None),
+        top_entropy_quantile=1.0, aux_loss_enabled=False, off_policy_mask_threshold=None, use_vllm=False,
+        importance_sampling_level="sequence" if loss_type == "gspo" else "token",
+        loss_type="grpo" if loss_type == "gspo" else loss_type, beta=beta, epsilon_low=low,
+        epsilon_high=1 + high if loss_type == "cispo" else high, max_completion_length=length,
+        args=types.SimpleNamespace(use_bias_correction_kl=False, delta=None, steps_per_generation=1),
+        model=types.SimpleNamespace(training=True), current_gradient_accumulation_steps=1,
+        accelerator=types.SimpleNamespace(num_processes=1, gather=lambda x: x, reduce=lambda x, reduction: x),
+        _entropy_bonus_enabled=False, _metrics=collections.defaultdict(lambda: collections.defaultdict(list)))
+    inputs = {"prompt_ids": torch.zeros(batch, 1, dtype=torch.long), "prompt_mask": torch.ones(batch, 1),
+              "completion_ids": torch.zeros(batch, length, dtype=torch.long), "completion_mask": mask.float(),
+              "advantages": advantages, "old_per_token_logps": old, "ref_per_token_logps": ref,
+              "num_items_in_batch": torch.tensor(mean_tokens)}
+    trls = GRPOTrainer._compute_loss(stub, None, inputs)
+    assert ours.item() == pytest.approx(trls.item(), rel=1e-5, abs=1e-7)
