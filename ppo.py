@@ -230,10 +230,9 @@ def main(args):
     run_name, run_dir = run_directory(args)
 
     # Models and DeepSpeed engines: the policy and the value model train (two engines, each with its own AdamW and
-    # schedule; the value model starts from the reward model); the reference and reward models only run forward.
+    # schedule); the reference and reward models only run forward. The value model starts from the reward model or,
+    # with --rule-reward, from the SFT policy with a fresh score head drawn from --seed on every rank.
     policy = training_engine(args, load_model(args, args.sft_model_path))
-    # The value model starts from the reward model or, with --rule-reward, from the SFT policy with a fresh score
-    # head, drawn from --seed on every rank (ZeRO-3 partitions each rank's own copy).
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(args.seed)
         value_model = training_engine(args, load_model(args, args.reward_model_path or args.sft_model_path, reward=True))
@@ -247,8 +246,7 @@ def main(args):
 
     run_log = RunLog(args, run_dir, run_name, start_update)  # metrics.jsonl (rank 0), wandb with --track
     if rank == 0:
-        print(f"run {run_dir}: {args.num_updates} updates of {args.batch_size} responses "
-              "(one per prompt)", flush=True)
+        print(f"run {run_dir}: {args.num_updates} updates of {args.batch_size} responses (one per prompt)", flush=True)
 
     pad = tokenizer.pad_token_id
     progress = tqdm(total=args.num_updates * args.batch_size, initial=episode, unit="ep", disable=rank != 0)

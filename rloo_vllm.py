@@ -148,7 +148,11 @@ class Args:
     check_weights_every: int = 10
     """check that vLLM holds the learner's weights (log-probabilities of a probe, digests of parameters) when it starts, after the first hand-off and every this many updates; stop with one line if not (0: never)"""
     is_cap: float = 2.0
-    """off-policy correction: weight the loss by pi_prox / pi_behaviour truncated at this value (per response in RLOO, per token in PPO and GRPO); 0 turns it off"""
+    """off-policy correction: weight the loss by pi_prox / pi_behaviour, truncated at (or, with --is-mode mask, zero above) this value; 0 turns it off"""
+    is_level: str = "sequence"
+    """the importance weight per `token`, per response (`sequence`: the product of its token ratios) or per response as the `geometric` mean of its token ratios (robust on long responses); default RLOO's sequence, PPO's and GRPO's token"""
+    is_mode: str = "truncate"
+    """`truncate` the weight at --is-cap, or `mask`: a weight above it becomes 0 (the token or response leaves the loss)"""
 
     deepspeed_config: str = "ds_configs/zero2.json"
     """DeepSpeed JSON config (ZeRO stage, offload); batch sizes and precision are filled in here"""
@@ -202,27 +206,44 @@ def rloo_policy_loss(new_logprobs, old_logprobs, advantages, cliprange, is_weigh
     return (torch.max(pg_losses, pg_losses_clipped) * is_weights).mean(), log_ratio, ratio, pg_losses_clipped > pg_losses
 
 
-def truncated_importance_weights(proximal_logprobs, behaviour_logprobs, mask, cap):
-    """The off-policy correction: weights min(pi_prox / pi_behaviour, cap), one per entry (a token, or a response
-    whose log-probabilities are summed), all 1 when cap is 0 (off); constants, no gradient flows through them.
-
-    pi_behaviour is the policy version that sampled the entry in vLLM, pi_prox the learner's policy before this
-    update: the ratio corrects for staleness (K updates) and for numerical differences between the two engines.
-    Also returns what async/ logs over the entries where `mask` holds: the effective sample size of the weights
-    (untruncated when off) as a fraction of the entries, (sum w)^2 / (n sum w^2), and the fraction truncated."""
-    ratio = torch.exp(proximal_logprobs - behaviour_logprobs).detach()
-    weights = ratio.clamp(max=cap) if cap > 0 else torch.ones_like(ratio)
-    w = (weights if cap > 0 else ratio)[mask]
-    stats = {"async/is_ess": (w.sum() ** 2 / (w.numel() * (w ** 2).sum())).item(),
-             "async/is_truncated": (ratio[mask] > cap).float().mean().item() if cap > 0 else 0.0}
+def importance_weights(proximal_logprobs, behaviour_logprobs, mask, cap, level, mode):
+    """The off-policy correction: constant weights from the ratio pi_prox / pi_behaviour (the learner's policy before
+    this update over the version that sampled in vLLM: staleness and engine differences), from per-token
+    log-probabilities (B x T, `mask`: response tokens). `level`: per token (B x T), per response as the product of its
+    token ratios (`sequence`, B) or as their `geometric` mean (B; small per-token differences, such as bf16's, do not
+    compound over a long response). `mode`: `truncate` at the cap, or `mask` (0 above it); all 1 when cap is 0. Also
+    returns async/'s statistics: the weights' effective sample size (sum w)^2 / (n sum w^2) as a fraction, their
+    mean, the share above the cap (untruncated ratios when off; log-ratios bounded at +-20: no NaN)."""
+    log_ratio, valid = ((proximal_logprobs - behaviour_logprobs) * mask).detach(), mask
+    if level != "token":
+        log_ratio = log_ratio.sum(1) if level == "sequence" else log_ratio.sum(1) / mask.sum(1).clamp(min=1)
+        valid = torch.ones_like(log_ratio, dtype=torch.bool)
+    ratio = torch.exp(log_ratio)  # may be inf: min(inf, cap) is the cap, and inf > cap is masked
+    if cap == 0:
+        weights = torch.ones_like(ratio)
+    elif mode == "truncate":
+        weights = ratio.clamp(max=cap)
+    else:
+        weights = torch.where(ratio > cap, torch.zeros_like(ratio), ratio)
+    w = (weights if cap > 0 else torch.exp(log_ratio.clamp(-20, 20)))[valid]
+    stats = {"async/is_ess": (w.sum() ** 2 / (w.numel() * (w ** 2).sum()).clamp(min=1e-30)).item(),
+             "async/is_mean": w.mean().item(),
+             "async/is_truncated": (ratio[valid] > cap).float().mean().item() if cap > 0 else 0.0}
     return weights, stats
 
 
 def mismatch_kl(proximal_logprobs, behaviour_logprobs, mask):
-    """KL(pi_behaviour || pi_prox) per response token, estimated on the behaviour policy's own samples with
-    r - 1 - log r, r = pi_prox / pi_behaviour (unbiased and never negative: Schulman's k3 estimator)."""
-    log_r = proximal_logprobs - behaviour_logprobs
+    """KL(pi_behaviour || pi_prox) per response token on the behaviour policy's samples: r - 1 - log r with r = pi_prox
+    / pi_behaviour (Schulman's k3: unbiased, never negative); log r bounded at 20 (no inf or NaN)."""
+    log_r = (proximal_logprobs - behaviour_logprobs).clamp(max=20)
     return masked_mean(torch.exp(log_r) - 1 - log_r, mask).item()
+
+
+def proximal_mean(values, proximal_logprobs, behaviour_logprobs, mask):
+    """The mean of per-response `values` under pi_prox from pi_behaviour's samples: self-normalised weights
+    pi_prox(y) / pi_behaviour(y), a softmax of log-ratios. Makes objective/kl the learner's, not an older policy's."""
+    log_ratio = ((proximal_logprobs - behaviour_logprobs) * mask).sum(1)
+    return (torch.softmax(log_ratio.double(), 0) * values.double()).sum().item()
 
 
 def main(args):
@@ -308,13 +329,14 @@ def main(args):
                                            args.missing_eos_mode)
 
         # 3. Rewards, leave-one-out advantages, and the off-policy correction: each response's importance weight
-        #    pi_prox / pi_behaviour (the learner's sequence probability over vLLM's), truncated at --is-cap.
+        #    pi_prox / pi_behaviour (the learner's sequence probability over vLLM's, or --is-level geometric's
+        #    per-token mean), truncated at --is-cap (or masked above it).
         kl = (logprobs - ref_logprobs).sum(1)
         non_score_reward = -args.kl_coef * kl
         rlhf_reward = scores + non_score_reward
         advantages = rloo_advantages(rlhf_reward, args.k)
-        is_weights, is_stats = truncated_importance_weights(logprobs.sum(1), behaviour_logprobs.sum(1),
-                                                            torch.ones_like(kl, dtype=torch.bool), args.is_cap)
+        is_weights, is_stats = importance_weights(logprobs, behaviour_logprobs, ~padding_mask, args.is_cap,
+                                                  args.is_level, args.is_mode)
         t2 = time.time()
 
         # 4. PPO-style clipped updates over mini-batches of this generation batch, importance-weighted.
@@ -357,7 +379,7 @@ def main(args):
         metrics = mean_over_ranks({
             "objective/scores": scores.mean().item(),
             "objective/raw_scores": raw_scores.mean().item(),
-            "objective/kl": kl.mean().item(),
+            "objective/kl": proximal_mean(kl, logprobs, behaviour_logprobs, ~padding_mask),
             "objective/non_score_reward": non_score_reward.mean().item(),
             "objective/rlhf_reward": rlhf_reward.mean().item(),
             "objective/entropy": (-logprobs).sum(1).mean().item(),
@@ -422,6 +444,12 @@ def validate(args):
     check_bounds(args, positive=("cliprange", "generation_timeout"), at_least_0=("kl_coef", "is_cap", "check_weights_every"))
     if args.k < 2:
         fail("k", f"RLOO needs at least 2 responses per prompt, got {args.k}")
+    if args.is_level == "token":
+        fail("is_level", "RLOO's ratio is one per response: sequence or geometric")
+    if args.is_level not in ("token", "sequence", "geometric"):
+        fail("is_level", f"must be token, sequence or geometric, got {args.is_level!r}")
+    if args.is_mode not in ("truncate", "mask"):
+        fail("is_mode", f"must be truncate or mask, got {args.is_mode!r}")
     check_weight_sync(args)
     if args.vllm_gpu_memory_utilization is not None and not 0 < args.vllm_gpu_memory_utilization <= 1:
         fail("vllm_gpu_memory_utilization", f"must be in (0, 1], got {args.vllm_gpu_memory_utilization}")

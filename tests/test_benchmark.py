@@ -2,7 +2,6 @@
 workload and prints a row of figures for each; weight_sync.py times both weight hand-offs on its smallest
 model; tiny_async.py reads back the CSV it writes (to add a seed). No timing is asserted: CI machines differ."""
 
-import csv
 import os
 import sys
 
@@ -44,9 +43,10 @@ def test_tiny_async_reads_back_the_rows_it_writes_so_a_seed_can_be_added(tmp_pat
     import tiny_async
 
     rows = [{"algorithm": "rloo+IS", "k": 8, "seed": 1, "win_rate": 0.73828125, "gold_score": 0.5, "kl": 2.5,
-             "perplexity": 8.25, "response_length": 3.75, "seconds": 61.5}]
-    with open(tmp_path / "tiny_async.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
-    assert tiny_async.read_rows(tmp_path / "tiny_async.csv") == rows
+             "perplexity": 8.25, "response_length": 3.75, "seconds": 61.5},  # a row of an older CSV
+            {"algorithm": "grpo+IS", "k": 2, "seed": 2, "win_rate": 0.75, "gold_score": 0.5, "kl": 2.5,
+             "perplexity": 8.25, "response_length": 3.75, "min_is_ess": 0.9921875, "max_is_truncated": 0.0,
+             "seconds": 61.5}]
+    tiny_async.write_rows(tmp_path / "tiny_async.csv", rows)
+    back = tiny_async.read_rows(tmp_path / "tiny_async.csv")
+    assert back[1] == rows[1] and back[0] == {**rows[0], "min_is_ess": "", "max_is_truncated": ""}

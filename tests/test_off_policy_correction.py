@@ -15,26 +15,88 @@ import rloo_vllm
 
 
 @pytest.mark.parametrize("script", [rloo_vllm, ppo_vllm, grpo_vllm])
-def test_truncated_importance_weights_by_hand(script):
+def test_token_weights_truncated_or_masked_by_hand(script):
     # Ratios pi_prox / pi_behaviour of 1, 3 and 1/2; the fourth entry is masked out (padding).
-    proximal = torch.tensor([0.0, math.log(3), -math.log(2), 5.0])
-    behaviour = torch.zeros(4)
-    mask = torch.tensor([True, True, True, False])
-    weights, stats = script.truncated_importance_weights(proximal, behaviour, mask, cap=2.0)
-    assert weights[:3].tolist() == pytest.approx([1.0, 2.0, 0.5])  # 3 is truncated at the cap
+    proximal = torch.tensor([[0.0, math.log(3), -math.log(2), 5.0]])
+    behaviour = torch.zeros(1, 4)
+    mask = torch.tensor([[True, True, True, False]])
+    weights, stats = script.importance_weights(proximal, behaviour, mask, 2.0, "token", "truncate")
+    assert weights[0, :3].tolist() == pytest.approx([1.0, 2.0, 0.5])  # 3 is truncated at the cap
     assert stats["async/is_ess"] == pytest.approx(3.5 ** 2 / (3 * (1 + 4 + 0.25)))  # 0.778
+    assert stats["async/is_mean"] == pytest.approx(3.5 / 3)
     assert stats["async/is_truncated"] == pytest.approx(1 / 3)
+    weights, stats = script.importance_weights(proximal, behaviour, mask, 2.0, "token", "mask")
+    assert weights[0, :3].tolist() == pytest.approx([1.0, 0.0, 0.5])  # 3 is above the cap: out of the loss
+    assert stats["async/is_ess"] == pytest.approx(1.5 ** 2 / (3 * (1 + 0.25)))  # 0.6
+    assert stats["async/is_mean"] == pytest.approx(0.5) and stats["async/is_truncated"] == pytest.approx(1 / 3)
     # Off (cap 0): every weight is 1; the statistics describe the untruncated ratios.
-    weights, stats = script.truncated_importance_weights(proximal, behaviour, mask, cap=0.0)
-    assert weights.tolist() == [1.0] * 4
+    weights, stats = script.importance_weights(proximal, behaviour, mask, 0.0, "token", "truncate")
+    assert weights.tolist() == [[1.0] * 4]
     assert stats["async/is_ess"] == pytest.approx(4.5 ** 2 / (3 * (1 + 9 + 0.25)))  # 0.659
     assert stats["async/is_truncated"] == 0.0
     # The weights are constants: no gradient reaches the learner's log-probabilities through them.
     proximal.requires_grad_(True)
-    assert not script.truncated_importance_weights(proximal, behaviour, mask, cap=2.0)[0].requires_grad
+    assert not script.importance_weights(proximal, behaviour, mask, 2.0, "token", "truncate")[0].requires_grad
 
 
-@pytest.mark.parametrize("script", [rloo_vllm, ppo_vllm])
+@pytest.mark.parametrize("script", [rloo_vllm, ppo_vllm, grpo_vllm])
+def test_sequence_and_geometric_weights_by_hand(script):
+    # Response 0: token ratios 3 and 1/2 (padding after); response 1: three tokens of ratio 2.
+    proximal = torch.tensor([[math.log(3), -math.log(2), 9.0], [math.log(2)] * 3])
+    behaviour = torch.zeros(2, 3)
+    mask = torch.tensor([[True, True, False], [True, True, True]])
+    weights, stats = script.importance_weights(proximal, behaviour, mask, 2.0, "sequence", "truncate")
+    assert weights.tolist() == pytest.approx([1.5, 2.0])  # products 1.5 and 8, truncated at 2
+    assert stats["async/is_truncated"] == 0.5 and stats["async/is_mean"] == pytest.approx(1.75)
+    assert script.importance_weights(proximal, behaviour, mask, 2.0, "sequence", "mask")[0].tolist() == \
+        pytest.approx([1.5, 0.0])
+    weights, stats = script.importance_weights(proximal, behaviour, mask, 2.0, "geometric", "truncate")
+    assert weights.tolist() == pytest.approx([math.sqrt(1.5), 2.0])  # (3 x 1/2)^(1/2) and (2^3)^(1/3)
+    assert stats["async/is_truncated"] == 0.0
+
+
+@pytest.mark.parametrize("level", ["token", "sequence", "geometric"])
+def test_an_extreme_log_ratio_makes_no_nan(level):
+    proximal = torch.tensor([[1000.0, -1000.0, 0.0], [0.0, 0.0, 0.0]])
+    behaviour, mask = torch.zeros(2, 3), torch.ones(2, 3, dtype=torch.bool)
+    for cap, mode in [(2.0, "truncate"), (2.0, "mask"), (0.0, "truncate")]:
+        weights, stats = rloo_vllm.importance_weights(proximal, behaviour, mask, cap, level, mode)
+        assert torch.isfinite(weights).all() and all(math.isfinite(v) for v in stats.values()), (cap, mode, stats)
+    assert math.isfinite(rloo_vllm.mismatch_kl(proximal, behaviour, mask))
+    assert math.isfinite(rloo_vllm.proximal_mean(torch.tensor([1.0, 2.0]), proximal, behaviour, mask))
+
+
+def test_sequence_weights_collapse_on_long_responses_at_bf16s_mismatch_and_geometric_ones_do_not():
+    """Per-token log-ratios of bf16 vLLM against the learner as measured on SmolLM2 (a mismatch KL of about 3e-3 per
+    token, docs/results.md): normal with variance 2 x 3e-3 and mean -3e-3 (E[r] = 1 under the behaviour policy).
+    The product of a response's ratios spreads as its length grows: truncated at 2, its weights shrink the gradient
+    (their mean) and its effective sample size. Their geometric mean stays near 1 at any length, as do token weights."""
+    generator = torch.Generator().manual_seed(0)
+
+    def stats(length, level):
+        log_ratio = torch.randn(256, length, generator=generator) * math.sqrt(6e-3) - 3e-3
+        mask = torch.ones(256, length, dtype=torch.bool)
+        return rloo_vllm.importance_weights(log_ratio, torch.zeros(256, length), mask, 2.0, level, "truncate")[1]
+
+    short, long, longer = stats(16, "sequence"), stats(1000, "sequence"), stats(4000, "sequence")
+    assert short["async/is_ess"] > 0.85 and short["async/is_mean"] == pytest.approx(1, abs=0.05)  # 0.91, 1.01
+    assert long["async/is_ess"] < 0.4 and long["async/is_mean"] < 0.4  # 0.25, 0.28
+    assert longer["async/is_ess"] < 0.05 and longer["async/is_mean"] < 0.05  # 0.01, 0.01: the gradient is gone
+    for level in ("geometric", "token"):
+        cured = stats(4000, level)
+        assert cured["async/is_ess"] > 0.99 and cured["async/is_mean"] == pytest.approx(1, abs=0.01), (level, cured)
+
+
+def test_proximal_mean_reweights_the_behaviour_policys_samples_by_hand():
+    # Two responses with KLs 1 and 3; the learner gives the second twice the behaviour policy's probability
+    # (two tokens of ratio sqrt 2) and the first the same: weights 1 and 2, normalised 1/3 and 2/3.
+    proximal = torch.tensor([[0.0, 0.0], [math.log(2) / 2] * 2])
+    behaviour, mask = torch.zeros(2, 2), torch.ones(2, 2, dtype=torch.bool)
+    assert rloo_vllm.proximal_mean(torch.tensor([1.0, 3.0]), proximal, behaviour, mask) == pytest.approx(7 / 3)
+    assert rloo_vllm.proximal_mean(torch.tensor([1.0, 3.0]), behaviour, behaviour, mask) == pytest.approx(2.0)
+
+
+@pytest.mark.parametrize("script", [rloo_vllm, ppo_vllm, grpo_vllm])
 def test_mismatch_kl_by_hand(script):
     # log r = log 2 on one token, -log 2 on another, padding ignored: mean of r - 1 - log r.
     proximal = torch.tensor([[math.log(2), -math.log(2), 7.0]])

@@ -33,7 +33,7 @@ DPO_METRICS = ["pairs/scores", "pairs/kl", "pairs/entropy", "pairs/non_score_rew
                "objective/scores_margin", "logps/chosen",
                "logps/rejected", "rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies"]
 ASYNC_METRICS = ["async/off_policy_steps", "time/generation_wait", "time/weight_sync", "time/weight_load"]
-CORRECTION_METRICS = ["async/mismatch_kl", "async/is_ess", "async/is_truncated"]
+CORRECTION_METRICS = ["async/mismatch_kl", "async/is_ess", "async/is_mean", "async/is_truncated"]
 ALGORITHM_METRICS = {
     "rloo.py": ["objective/kl", "objective/entropy", "objective/non_score_reward", "objective/rlhf_reward",
                 "policy/approxkl_avg", "policy/clipfrac_avg",
@@ -500,6 +500,9 @@ BAD_INPUT = [  # (script, arguments, the argument the error must name)
     ("online_dpo_vllm.py", ["--k", "3"], "--k"),
     ("rloo_vllm.py", ["--is-cap", "-1"], "--is-cap"),
     ("ppo_vllm.py", ["--is-cap", "inf"], "--is-cap"),
+    ("rloo_vllm.py", ["--is-level", "token"], "--is-level"),  # RLOO's ratio is per response
+    ("ppo_vllm.py", ["--is-level", "tokens"], "--is-level"),
+    ("grpo_vllm.py", ["--is-mode", "clip"], "--is-mode"),
     ("ppo_vllm.py", ["--off-policy-steps", "0"], "--off-policy-steps"),
     ("bok_vllm.py", ["--k", "3"], "--k"),
     ("rloo_vllm.py", ["--seed", str(2**32)], "--seed"),  # would overflow vLLM's sampling seed after loading
