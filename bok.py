@@ -104,6 +104,8 @@ class Args:
     """passes over each generation batch"""
     k: int = 2
     """responses sampled per prompt"""
+    nll_mean: str = "token"
+    """average the best responses' negative log-likelihood over their tokens (`token`, as SFT does) or over the responses, each summed over its tokens (`sequence`, the paper's code)"""
 
     deepspeed_config: str = "ds_configs/zero2.json"
     """DeepSpeed JSON config (ZeRO stage, offload); batch sizes and precision are filled in here"""
@@ -152,9 +154,13 @@ def select_best(scores, k):
     return best, scores.amax(0) > scores.amin(0)
 
 
-def sft_loss(logprobs, padding_mask):
-    """Negative log-likelihood per response token, averaged over the tokens of the micro-batch
-    (as supervised fine-tuning averages it); the stop token counts, padding does not."""
+def sft_loss(logprobs, padding_mask, nll_mean="token"):
+    """Negative log-likelihood of the micro-batch's best responses: averaged over their tokens (`token`, as supervised
+    fine-tuning averages it), or summed over each response's tokens and averaged over the responses (`sequence`, the
+    paper's code: a response weighs as its length). The stop token counts; padding, and rows that are all padding (a
+    prompt left out), do not."""
+    if nll_mean == "sequence":
+        return -(logprobs * ~padding_mask).sum() / (~padding_mask).any(1).sum().clamp(min=1)
     return -masked_mean(logprobs, ~padding_mask)
 
 
@@ -242,7 +248,7 @@ def main(args):
                     logits = forward(policy, query_responses[idx], pad).logits
                     new_logprobs = response_logprobs(logits, responses[idx], context_length, args.temperature)
                     new_logprobs = new_logprobs.masked_fill(padding_mask[idx], 0.0)
-                    loss = sft_loss(new_logprobs, padding_mask[idx] | ~has_best[prompts, None])
+                    loss = sft_loss(new_logprobs, padding_mask[idx] | ~has_best[prompts, None], args.nll_mean)
                     policy.backward(loss)
                     policy.step()
                     with torch.no_grad():
@@ -307,6 +313,8 @@ def validate(args):
     check_bounds(args)
     if args.k < 2:
         fail("k", f"a best of k needs at least 2 responses per prompt, got {args.k}")
+    if args.nll_mean not in ("token", "sequence"):
+        fail("nll_mean", f"must be token or sequence, got {args.nll_mean!r}")
     if args.per_device_train_batch_size % args.k:
         fail("k", f"must divide --per-device-train-batch-size ({args.per_device_train_batch_size}): "
                   "a micro-batch holds whole prompts")

@@ -31,8 +31,11 @@
 #   async, sync: 504 prompts a batch (3 GPUs x pairs per device x accumulation: 3 x 21 x 8 for 410m,
 #                3 x 8 x 21 for 1b, 3 x 6 x 28 for 2.8b), 129,024 prompts = 256 updates;
 #   hf:          512 prompts a batch (4 x 32 x 4, 4 x 16 x 8, 4 x 4 x 32), 131,072 prompts = 256 updates.
-# RLOO, best-of-2 and PPO count responses in the paper's code too: 512 a batch on 4 GPUs, 131,072 in
-# all. The paper ran them at 410m only; at 2.8b these commands add gradient checkpointing (our choice).
+# Best-of-2 counts prompts too (its trainer, src/online_bok_trainer.py, samples each of a batch's prompts twice):
+#   hf:          512 prompts a batch, 1,024 responses here (as online DPO's hf), 262,144 responses = 256 updates;
+# and its loss sums each chosen response's token NLL and averages over responses (--nll-mean sequence).
+# RLOO and PPO count responses in the paper's code too: 512 a batch on 4 GPUs, 131,072 in all. The paper ran
+# RLOO, PPO and best-of-2 at 410m only; at 2.8b these commands add gradient checkpointing (our choice).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -71,7 +74,8 @@ case $algorithm/$mode in
                         $(batch "${hf_dpo_batch[@]}") --total-episodes 262144) ;;
   rloo/hf) train=(deepspeed --num_gpus 4 rloo.py --k 2 --kl-coef 0.05 $(batch "${hf_batch[@]}")
                   --total-episodes 131072) ;;
-  bok/hf) train=(deepspeed --num_gpus 4 bok.py --k 2 $(batch "${hf_batch[@]}") --total-episodes 131072) ;;
+  bok/hf) train=(deepspeed --num_gpus 4 bok.py --k 2 --nll-mean sequence $(batch "${hf_dpo_batch[@]}")
+                 --total-episodes 262144) ;;
   ppo/hf) train=(deepspeed --num_gpus 4 ppo.py --kl-coef 0.05 --gamma 1.0 --lam 0.95 --vf-coef 0.1 --cliprange 0.2
                  --cliprange-value 0.2 $(batch "${hf_batch[@]}") --total-episodes 131072) ;;
   online_dpo/*|rloo/*|bok/*|ppo/*) echo "error: the paper's code gives 4-GPU asynchronous TL;DR settings for online_dpo only; $algorithm runs in mode hf here (its ${algorithm}_vllm.py takes the same arguments)" >&2; exit 2 ;;

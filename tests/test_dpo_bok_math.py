@@ -100,3 +100,13 @@ def test_best_of_k_loss_is_the_mean_negative_log_likelihood_per_response_token()
     assert math.isclose(loss.item(), (1 + 2 + 3) / 3, rel_tol=1e-6)
     loss.backward()
     assert torch.allclose(logprobs.grad, torch.tensor([[-1 / 3, -1 / 3, 0.0], [-1 / 3, 0.0, 0.0]]))
+
+
+def test_best_of_k_loss_per_sequence_sums_each_responses_tokens_as_the_papers_code():
+    logprobs = torch.tensor([[-1.0, -2.0, 0.0], [-3.0, 0.0, 0.0], [-7.0, -7.0, -7.0]], requires_grad=True)
+    padding = torch.tensor([[False, False, True], [False, True, True], [True, True, True]])  # row 2: left out
+    loss = bok.sft_loss(logprobs, padding, "sequence")
+    assert math.isclose(loss.item(), ((1 + 2) + 3) / 2, rel_tol=1e-6)  # two responses, each summed
+    loss.backward()
+    assert torch.allclose(logprobs.grad, torch.tensor([[-0.5, -0.5, 0.0], [-0.5, 0.0, 0.0], [0.0, 0.0, 0.0]]))
+    assert bok.sft_loss(logprobs, torch.ones(3, 3, dtype=torch.bool), "sequence").item() == 0.0  # nothing kept

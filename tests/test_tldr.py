@@ -82,6 +82,10 @@ def test_tldr_commands_match_the_paper(algorithm, size, mode):
         else:  # the speed-up compares the same 3+1 layout, on-policy (--sync) against one update off-policy
             assert script == "online_dpo_vllm.py" and args.vllm_gpu == 3 and args.sync == (mode == "sync")
             assert args.off_policy_steps == 1
+    elif algorithm == "bok":  # src/online_bok_trainer.py: 512 prompts sampled twice an update, 256 updates; its
+        # loss sums each chosen response's token NLL (bo2_pythia410m_tldr.yml, 16 x 8 prompts per device)
+        assert (script, gpus, batch, args.total_episodes) == ("bok.py", 4, 1024, 262144)
+        assert args.nll_mean == "sequence" and args.per_device_train_batch_size % args.k == 0
     else:
         assert (script, gpus, batch, args.total_episodes) == (f"{algorithm}.py", 4, 512, 131072)
     _, _, eval_args = _parsed(evaluation)
