@@ -13,14 +13,14 @@ SmolLM2-135M-Instruct, on one-digit sums (assets/make_smollm2.py builds both; do
 settings that learn there (SMOLLM2 below). With several `--seeds` the tables and curves are means over
 seeds (one seed's accuracy on the 288 test problems moves by about 0.025 between evaluations).
 
-    python benchmark/async_speedup.py                      # 4 scripts x 200 updates x 2 modes, about 16 minutes on 2 CPU cores
+    python benchmark/async_speedup.py                      # 5 scripts x 200 updates x 2 modes, about 20 minutes on 2 CPU cores
     python benchmark/async_speedup.py --task math --scripts rloo_vllm online_dpo_vllm --seeds 1 2 3   # about 20 minutes
     python benchmark/async_speedup.py --task math --scripts rloo_vllm online_dpo_vllm --seeds 1 2 3 \
         --total-episodes 25600 --async-total-episodes 32000 --learning-rate 1e-4   # to the plateau, 31 minutes
     python benchmark/async_speedup.py --scripts online_dpo_vllm --total-episodes 64000 --off-policy-steps 2
     python benchmark/async_speedup.py --task smollm2 --scripts rloo_vllm --total-episodes 320   # a real model, 16 minutes
     python benchmark/async_speedup.py --task smollm2 --scripts online_dpo_vllm --total-episodes 320 --learning-rate 3e-6
-    python benchmark/async_speedup.py --task smollm2 --scripts ppo_vllm bok_vllm --total-episodes 320 --seeds 1 2
+    python benchmark/async_speedup.py --task smollm2 --scripts ppo_vllm bok_vllm grpo_vllm --total-episodes 320 --seeds 1 2
 
 Any other argument is passed to every run (for example --learning-rate 1e-4).
 """
@@ -34,7 +34,7 @@ import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SCRIPTS = ["online_dpo_vllm", "rloo_vllm", "ppo_vllm", "bok_vllm"]
+SCRIPTS = ["online_dpo_vllm", "rloo_vllm", "ppo_vllm", "bok_vllm", "grpo_vllm"]
 COLUMNS = ["loop seconds", "process seconds", "episodes/s", "learner idle", "off-policy steps", "start proxy",
            "proxy score", "start gold", "gold score"]
 MATH_COLUMNS = COLUMNS[:5] + ["start accuracy", "accuracy"]
