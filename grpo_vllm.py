@@ -216,8 +216,9 @@ def grpo_policy_loss(new_logprobs, old_logprobs, ref_logprobs, advantages, mask,
     tokens) under the policy, the proximal policy (`old_logprobs`: the policy before this update) and the reference.
     `mean_tokens`: the mean count of response tokens in a micro-batch of this mini-batch on every rank, so that
     DAPO's and CISPO's mean is over the tokens of the whole mini-batch. Each token's policy term is weighted by its
-    importance weight (the off-policy correction; not the KL term, an expectation under the current policy). Returns (loss, and per token: the log-ratio
-    to the proximal policy, the ratio used (GSPO: its response's), whether the ratio was clipped)."""
+    importance weight (the off-policy correction), not its KL term, as in TRL: the pull towards the reference acts on
+    every token of the batch, masked ones too. Returns (loss, and per token: the log-ratio to the proximal policy,
+    the ratio used (GSPO: its response's), whether the ratio was clipped)."""
     log_ratio = (new_logprobs - old_logprobs) * mask
     if loss_type == "gspo":  # one ratio per response: exp of the mean of its tokens' log-ratios
         ratio = torch.exp(log_ratio.sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1)).expand_as(mask)
