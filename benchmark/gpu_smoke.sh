@@ -8,16 +8,17 @@
 #
 # Every *_vllm.py run checks at every update that vLLM holds the learner's weights (--check-weights-every 1) and
 # stops if not; the on-policy (--sync) runs also assert vLLM's log-probabilities against the learner's at every update.
-# 1 GPU:  each script alone (rloo, online_dpo, bok, ppo: HF generation; the *_vllm.py scripts: vLLM colocated
+# 1 GPU:  each script alone (rloo, online_dpo, bok, ppo, grpo: HF generation; the *_vllm.py scripts: vLLM colocated
 #         on the training GPU with the memory share it chose), finite metrics, off-policy steps 0,1,1,1; rloo and
 #         ppo resumed from checkpoint 2 with the same metrics bit for bit (CUDA's random state), rloo_vllm within
 #         1e-3; evaluate.py with vLLM, several checkpoints reloaded into one engine scoring as a fresh engine does;
 #         the in-memory hand-off over CUDA IPC, and a run through files with the same scores; rloo_vllm --sync in
 #         bf16 with async/mismatch_kl under 1e-2 at every update, and on a real model in float32 under 1e-5. This
 #         is where NCCL meets CPU tensors (gloo beside it), bf16, and vLLM's memory check.
-# 2 GPUs: rloo.py and ppo.py under ZeRO-3 (collectives on NCCL, parameters gathered per module); rloo_vllm.py with one
-#         training rank and vLLM on GPU 1 (the NCCL hand-off; the same scores through files); deepspeed --num_gpus 2
-#         rloo_vllm.py with vLLM sharing GPU 0 (CUDA IPC with two training ranks).
+# 2 GPUs: rloo.py and ppo.py under ZeRO-3 (collectives on NCCL, parameters gathered per module); grpo.py as DAPO
+#         (its token count all-reduced); rloo_vllm.py with one training rank and vLLM on GPU 1 (the NCCL hand-off;
+#         the same scores through files); deepspeed --num_gpus 2 rloo_vllm.py with vLLM sharing GPU 0 (CUDA IPC
+#         with two training ranks).
 # 3 GPUs: deepspeed --num_gpus 2 online_dpo_vllm.py with ZeRO-3: vLLM on GPU 2 (as the run reports it), K = 2
 #         off-policy steps, weights gathered and handed over every update by NCCL.
 set -uo pipefail
@@ -85,7 +86,7 @@ EOF
 
 echo "$gpus GPU(s); logs in $out"
 # 1 GPU
-for script in rloo online_dpo bok ppo; do
+for script in rloo online_dpo bok ppo grpo; do
   check "1gpu_$script" bash -c "$(declare -f run1); CUDA_VISIBLE_DEVICES=0 run1 $script.py --output-dir $out/1gpu_$script"
   check "1gpu_${script}_metrics" metrics_ok "$out/1gpu_$script" 4
 done
@@ -96,7 +97,7 @@ check 1gpu_evaluate_hf bash -c "CUDA_VISIBLE_DEVICES=0 python evaluate.py --chec
 if python -c "import vllm" 2>/dev/null; then
   check 1gpu_online_dpo_vllm bash -c "$(declare -f run1); CUDA_VISIBLE_DEVICES=0 run1 online_dpo_vllm.py $vllm_flags --save-every 2 --output-dir $out/1gpu_vllm"
   check 1gpu_online_dpo_vllm_metrics metrics_ok "$out/1gpu_vllm" 4 0 1 1 1
-  for script in rloo_vllm ppo_vllm bok_vllm; do
+  for script in rloo_vllm ppo_vllm bok_vllm grpo_vllm; do
     check "1gpu_$script" bash -c "$(declare -f run1); CUDA_VISIBLE_DEVICES=0 run1 $script.py $vllm_flags --output-dir $out/1gpu_$script"
     check "1gpu_${script}_metrics" metrics_ok "$out/1gpu_$script" 4 0 1 1 1
   done
@@ -105,7 +106,7 @@ if python -c "import vllm" 2>/dev/null; then
   check 1gpu_rloo_vllm_sync bash -c "$(declare -f run1); CUDA_VISIBLE_DEVICES=0 run1 rloo_vllm.py --sync $vllm_flags --output-dir $out/1gpu_rloo_vllm_sync"
   check 1gpu_rloo_vllm_sync_mismatch mismatch_below "$out/1gpu_rloo_vllm_sync" 1e-2
   check 1gpu_rloo_vllm_resume resumes_exactly rloo_vllm.py "$out/1gpu_rloo_vllm_resume" 1e-3
-  for script in rloo_vllm ppo_vllm; do  # bf16: how far vLLM's log-probabilities are from the learner's (not asserted)
+  for script in rloo_vllm ppo_vllm grpo_vllm; do  # bf16: how far vLLM's log-probabilities are from the learner's (not asserted)
     python - "$out/1gpu_$script" "$script" <<'EOF'
 import glob, json, sys
 rows = [json.loads(line) for line in open(glob.glob(f"{sys.argv[1]}/*__*/metrics.jsonl")[0])][1:]
@@ -149,6 +150,10 @@ if [ "$gpus" -ge 2 ]; then
       --per-device-train-batch-size 32 --total-episodes 192 --eval-every 1 --num-eval-prompts 64 --output-dir "$out/2gpu_$script"
     check "2gpu_zero3_${script}_metrics" metrics_ok "$out/2gpu_$script" 3
   done
+  # DAPO's token mean over both ranks (the token count all-reduced over NCCL)
+  check 2gpu_grpo_dapo deepspeed --num_gpus 2 grpo.py --loss-type dapo --bf16 --per-device-train-batch-size 32 \
+    --total-episodes 192 --eval-every 1 --num-eval-prompts 64 --output-dir "$out/2gpu_grpo"
+  check 2gpu_grpo_dapo_metrics metrics_ok "$out/2gpu_grpo" 3
   if python -c "import vllm" 2>/dev/null; then
     check 2gpu_rloo_vllm_nccl bash -c "$(declare -f run1); CUDA_VISIBLE_DEVICES=0,1 run1 rloo_vllm.py $vllm_flags --output-dir $out/2gpu_nccl"
     check 2gpu_rloo_vllm_nccl_metrics metrics_ok "$out/2gpu_nccl" 4 0 1 1 1

@@ -244,11 +244,18 @@ def test_resume_after_a_kill_reproduces_the_uninterrupted_run(tmp_path, command)
             assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-6), (a["update"], key)
 
 
-def test_one_step_batches_reuse_the_training_forward_and_match_accumulated_micro_batches(tmp_path):
-    """rloo.py trains a batch in one step (the default: one epoch, one micro-batch) with the policy's
-    log-probabilities taken from the training forward, where the ratio is exactly 1; with two accumulated
-    micro-batches it computes them in a separate no-grad pass. The optimizer steps are the same."""
-    common = ["rloo.py", "--total-episodes", "192", "--eval-every", "0", "--num-eval-prompts", "64"]
+# DAPO's token mean spans the mini-batch: grpo.py divides each micro-batch's token sum by the mini-batch's tokens
+# over ranks x accumulation steps (all-reduced), so that DeepSpeed's averaging over micro-batches and ranks gives
+# one mean over every token. Two accumulated micro-batches must then step as one does (ranks divide the same way).
+ONE_STEP = [("rloo.py", []), ("grpo.py", ["--loss-type", "dapo"])]
+
+
+@pytest.mark.parametrize("script, arguments", ONE_STEP, ids=[s for s, _ in ONE_STEP])
+def test_one_step_batches_reuse_the_training_forward_and_match_accumulated_micro_batches(tmp_path, script, arguments):
+    """A batch trained in one step (the default: one epoch, one micro-batch) takes the policy's log-probabilities
+    from the training forward, where the ratio is exactly 1; with two accumulated micro-batches they come from a
+    separate no-grad pass. The optimizer steps are the same."""
+    common = [script, *arguments, "--total-episodes", "192", "--eval-every", "0", "--num-eval-prompts", "64"]
     run_script(*common, "--output-dir", str(tmp_path / "one"))
     run_script(*common, "--per-device-train-batch-size", "32", "--gradient-accumulation-steps", "2",
                "--output-dir", str(tmp_path / "two"))
