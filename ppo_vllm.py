@@ -315,9 +315,7 @@ def main(args):
 
     # Models and DeepSpeed engines: the policy and the value model train (two engines, each with its own AdamW and
     # schedule); the reference and reward models only run forward. The value model starts from the reward model or,
-    # with --rule-reward, from the SFT policy with a new score head of zeros: a random one (std 0.02) on SmolLM2's
-    # hidden states of norm ~48 predicts values of +-1 that differ token by token, noise in every advantage as large
-    # as the 0/1 reward; zeros start every value at 0, so the first advantages are the discounted returns.
+    # with --rule-reward, from the SFT policy under a score head of zeros (a random one adds noise to every advantage).
     policy = training_engine(args, load_model(args, args.sft_model_path))
     value_model = load_model(args, args.reward_model_path or args.sft_model_path, reward=True)
     if args.reward_model_path is None:
