@@ -165,6 +165,17 @@ def test_ppo_learns_without_a_reward_model(tmp_path):
 
 
 @pytest.mark.slow
+def test_ppo_vllm_starts_its_value_head_at_zeros_without_a_reward_model(tmp_path):
+    """ppo_vllm.py's own copy of the value model's set-up (its main block): every first value is 0 there too."""
+    run_script("ppo_vllm.py", *MATH_ARGS, "--sync", "--vllm-enforce-eager", "--total-episodes", "128",
+               "--eval-every", "0", "--output-dir", str(tmp_path))
+    rows = read_metrics(run_dir_of(tmp_path))
+    assert_finite(rows)
+    assert len(rows) == 3 and rows[1]["val/explained_variance"] == pytest.approx(0.0, abs=1e-6)
+    assert rows[2]["val/explained_variance"] != pytest.approx(0.0, abs=1e-6)  # the head has learnt since
+
+
+@pytest.mark.slow
 def test_a_chat_dataset_trains_exactly_as_the_same_prompts_as_plain_queries(tmp_path):
     """rloo.py on assets/tiny/chat_data under a chat template that renders a chat as its user turn, and on the
     same texts as a `query` dataset: the same numbers, update by update (the tiny SFT model, trained on plain
