@@ -366,9 +366,8 @@ def main(args):
 
 
 # ===========================================================================================================
-# Appendix: argument checks (validate, each script's own), then the plumbing, identical in every script that has
-# it (tests/test_shared_helpers.py keeps the copies equal): data, generation, scoring, evaluation, checkpoints,
-# distributed and run set-up. Change one, change all.
+# Appendix: argument checks (validate, each script's own), then the plumbing, the same in every script that has it
+# (data, generation, scoring, evaluation, checkpoints, set-up; tests/test_shared_helpers.py: change one, change all).
 # ===========================================================================================================
 
 def validate(args):
@@ -447,9 +446,8 @@ def check_model_path(argument, path):
 
 
 def check_model(args, argument, reward=False):
-    """A model argument, before anything loads: a directory (a hub id is checked when it loads) whose config
-    reads, that holds a tokenizer and, for a reward model, a sequence classifier (any other model would get
-    a score head of random weights); for a policy, anything but a sequence classifier."""
+    """A model argument, before anything loads: a directory (a hub id is checked when it loads) with a readable config
+    and a tokenizer; a reward model is a sequence classifier (any other gets a random score head), a policy is not."""
     path = getattr(args, argument)
     check_model_path(argument, path)
     if not os.path.isdir(path):
@@ -567,10 +565,9 @@ def read_dataset(args):
 
 
 def load_prompts(args, tokenizer):
-    """Tokenised prompts of the train and eval splits (lists of token-id lists) and, with --rule-reward, their
-    answers (else Nones). A prompt is the `query` column's text, or the `messages` column's chat rendered with
-    the tokenizer's chat template and the generation prompt (a last assistant turn, the reference reply, is
-    left out, as in No Robots)."""
+    """Token ids of the train and eval splits' prompts and, with --rule-reward, their answers (else Nones). A prompt is
+    the `query` column's text, or the `messages` column's chat in the tokenizer's chat template with the generation
+    prompt (a last assistant turn, the reference reply as in No Robots, is left out)."""
     dataset = read_dataset(args)
     prompts, answers = {}, {}
     for argument in ("dataset_train_split", "dataset_eval_split"):
@@ -603,13 +600,11 @@ def load_prompts(args, tokenizer):
 
 
 def load_tokenizer(path, trust_remote_code):
-    """A tokenizer whose pad token is used for nothing else: padding is found by comparing token ids with it.
-
-    Where the tokenizer has none (Pythia) or pads with EOS (SmolLM2, Qwen2.5, Llama 3: then every EOS, also the
-    `<|im_end|>` inside a chat template, would be masked as padding), `[PAD]` is added here, to this tokenizer only.
-    Its id may lie past the model's vocabulary: no model ever reads it (forward() and generate() give padded
-    positions token 0 under a zero attention mask), the embeddings are not resized, so the learner's softmax is
-    vLLM's and checkpoints keep the model's vocabulary and its own tokenizer (save_checkpoint)."""
+    """A tokenizer whose pad token is used for nothing else: padding is found by comparing token ids with it. Where
+    there is none (Pythia) or it is EOS (SmolLM2, Qwen2.5, Llama 3: every EOS, also a chat template's `<|im_end|>`,
+    would be masked as padding), `[PAD]` is added, to this tokenizer only. Its id may lie past the vocabulary: no
+    model reads it (forward() and generate() give padded positions token 0 under a zero attention mask), the
+    embeddings are not resized, so the learner's softmax is vLLM's and checkpoints keep the model's own vocabulary."""
     tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     if tokenizer.pad_token_id is None or tokenizer.pad_token_id == tokenizer.eos_token_id:
         tokenizer.add_special_tokens({"pad_token": "[PAD]"})
@@ -647,12 +642,10 @@ def left_pad(sequences, pad_token_id, device):
 
 @torch.no_grad()
 def generate(model, queries, pad_token_id, stop_token_id, response_length, temperature=None):
-    """Sample (or, with temperature None, greedily decode) responses to left-padded queries.
-
-    The decoding loop of HF `generate` (same tokens for the same seed) with a preallocated KV cache and
-    without its per-step machinery (logits processors, stopping criteria), which costs more than the
-    arithmetic of a small model. After its stop token a response gets padding; the loop ends when all
-    responses have one. The model reads token 0 where there is padding (see load_tokenizer)."""
+    """Sample (or, with temperature None, greedily decode) responses to left-padded queries: HF generate()'s loop (the
+    same tokens for the same seed) with a preallocated KV cache and without its per-step machinery (logits processors,
+    stopping criteria), which costs more than a small model's arithmetic. After its stop token a response gets
+    padding; the loop ends when all have one. Padded positions read token 0 (see load_tokenizer)."""
     attention_mask = queries != pad_token_id
     position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
     cache = StaticCache(config=model.config, max_cache_len=queries.shape[1] + response_length)
@@ -734,8 +727,7 @@ RULE_REWARDS = {"last_number": last_number_reward}  # the rules --rule-reward na
 
 @torch.no_grad()
 def score_responses(args, reward_model, query_responses, context_length, answers, tokenizer):
-    """One score per response: the reward model's, or with --rule-reward the rule's on the response's text and
-    the prompt's answer."""
+    """One score per response: the reward model's, or the --rule-reward rule's on the response's text and answer."""
     if args.rule_reward is None:
         return reward_scores(reward_model, query_responses, tokenizer.pad_token_id)
     texts = tokenizer.batch_decode(query_responses[:, context_length:], skip_special_tokens=True)
@@ -795,9 +787,8 @@ def evaluate(args, policy, reward_model, gold_model, eval_prompts, eval_answers,
         sums += torch.stack([scores.sum(), gold.sum(), (responses != tokenizer.pad_token_id).sum(),
                              torch.tensor(len(scores), device=device)]).double()
         if not samples:
-            for q, r, s in zip(queries[:4], responses[:4], scores[:4]):
-                samples.append([tokenizer.decode(q, skip_special_tokens=True),
-                                tokenizer.decode(r, skip_special_tokens=True), round(s.item(), 3)])
+            samples = [[tokenizer.decode(q, skip_special_tokens=True), tokenizer.decode(r, skip_special_tokens=True),
+                        round(s.item(), 3)] for q, r, s in zip(queries[:4], responses[:4], scores[:4])]
     dist.all_reduce(sums)
     metrics = {"eval/scores": sums[0] / sums[3], "eval/response_length": sums[2] / sums[3]}
     if gold_model is not None:
@@ -900,9 +891,8 @@ def free_port():
 
 
 def gathered_state_dict(engine):
-    """The engine's weights for save_pretrained on rank 0 (None elsewhere). Under ZeRO-3 every rank takes
-    part in gathering the parameters one module at a time, so no device ever holds the whole model; the
-    gathered weights go to rank 0's CPU memory."""
+    """The engine's weights for save_pretrained, in rank 0's CPU memory (None elsewhere). Under ZeRO-3 every rank takes
+    part in gathering them one module at a time, so no device ever holds the whole model."""
     module, rank = engine.module, dist.get_rank()
     if engine.zero_optimization_stage() != 3:
         return module.state_dict() if rank == 0 else None
@@ -971,9 +961,8 @@ def run_directory(args):
 
 
 def load_model(args, path, reward=False):
-    """A causal LM or, with `reward`, a one-label sequence classifier (None without a path). Dropout is off (it
-    would make the log-probabilities of the same tokens disagree). The vocabulary stays the model's own: the pad
-    token that load_tokenizer may add is never read by a model."""
+    """A causal LM or, with `reward`, a one-label sequence classifier (None without a path), with dropout off (it would
+    make the log-probabilities of the same tokens disagree) and its own vocabulary (see load_tokenizer)."""
     if path is None:
         return None
     dtype_and_code = dict(dtype=torch.bfloat16 if args.bf16 else torch.float32, trust_remote_code=args.trust_remote_code)
@@ -1052,15 +1041,13 @@ class RunLog:
 # ===========================================================================================================
 
 def vllm_gpu_placement(env, num_node_gpus, vllm_gpu=None):
-    """vLLM's GPU: (the CUDA_VISIBLE_DEVICES entry for its engine, the CUDA index on rank 0 of the training GPU
-    it shares, or None when it has a GPU of its own). A pure function of the launcher's environment.
-
-    Training ranks use the first entries of CUDA_VISIBLE_DEVICES (all GPUs when unset), one per local rank:
-    deepspeed's launcher says how many in LOCAL_SIZE (and sets CUDA_VISIBLE_DEVICES to exactly those), torchrun
-    in LOCAL_WORLD_SIZE, a `python` launch is one rank. vLLM takes --vllm-gpu, else the next visible entry,
-    else (deepspeed only: its --num_gpus hid the rest of the node) the first of the node's GPUs that no rank
-    uses, else it shares rank 0's GPU. Entries are CUDA's own (indices in CUDA's order, UUIDs or MIG names),
-    passed on unchanged, so NVML's other numbering never enters; NVML only counts the node's GPUs."""
+    """vLLM's GPU: (its engine's CUDA_VISIBLE_DEVICES entry, the CUDA index on rank 0 of the training GPU it shares or
+    None when it has its own), a pure function of the launcher's environment. Training ranks use the first entries of
+    CUDA_VISIBLE_DEVICES (all GPUs when unset), one per local rank: as many as LOCAL_SIZE under deepspeed's launcher
+    (which sets CUDA_VISIBLE_DEVICES to exactly those), LOCAL_WORLD_SIZE under torchrun, 1 under `python`. vLLM takes
+    --vllm-gpu, else the next visible entry, else (deepspeed only: its --num_gpus hid the rest of the node) the first
+    node GPU no rank uses, else rank 0's GPU, shared. Entries are CUDA's own (indices in CUDA's order, UUIDs or MIG
+    names), passed on unchanged, so NVML's other numbering never enters; NVML only counts the node's GPUs."""
     visible = env.get("CUDA_VISIBLE_DEVICES")
     entries = [e.strip() for e in visible.split(",") if e.strip()] if visible else [str(i) for i in range(num_node_gpus)]
     local_ranks = int(env.get("LOCAL_SIZE") or env.get("LOCAL_WORLD_SIZE") or 1)
@@ -1077,9 +1064,8 @@ def vllm_gpu_placement(env, num_node_gpus, vllm_gpu=None):
 
 
 def vllm_memory_share(requested, free_bytes, total_bytes, gpu):
-    """vLLM's gpu_memory_utilization on a GPU it shares with training: vLLM refuses to start unless that share of
-    the GPU's total memory is free, and the learner's models are already there. By default vLLM takes half of what
-    is free (the other half is for the learner's activations and optimizer state)."""
+    """vLLM's gpu_memory_utilization on a GPU training already uses: vLLM starts only if that share of its total memory
+    is free. Default: half the free memory (the rest is for training's activations and optimizer state)."""
     share = requested if requested is not None else int(50 * free_bytes / total_bytes) / 100
     if share * total_bytes > free_bytes or (requested is None and share * total_bytes < 2**30):
         fail("vllm_gpu_memory_utilization", f"GPU {gpu}, shared with training, has {free_bytes / 2**30:.1f} of "
@@ -1089,12 +1075,10 @@ def vllm_memory_share(requested, free_bytes, total_bytes, gpu):
 
 
 def start_vllm(args, model_path, weight_transfer=False):
-    """A vLLM engine for `model_path`, running in its own process (vLLM's default) on its own device.
-
-    The engine process reads CUDA_VISIBLE_DEVICES (GPU) or VLLM_CPU_OMP_THREADS_BIND (CPU cores)
-    when it starts, so they are set around its construction and restored after. With `weight_transfer`
-    it takes weights in memory (see weight_transfer()): by NCCL on a GPU of its own, by CUDA IPC on a GPU
-    it shares (on a CPU: vLLM's "nccl" engine, which only the tests' plugin, tests/cpu_weight_transfer, provides)."""
+    """A vLLM engine for `model_path` in its own process (vLLM's default) on its own device: CUDA_VISIBLE_DEVICES (GPU)
+    or VLLM_CPU_OMP_THREADS_BIND (CPU cores), which the engine process reads, are set only while it starts. With
+    `weight_transfer` it takes weights in memory (weight_transfer()): NCCL on a GPU of its own, CUDA IPC on one it
+    shares (on a CPU: vLLM's "nccl" engine, provided only by the tests' plugin tests/cpu_weight_transfer)."""
     from vllm import LLM
 
     # Log-probabilities returned with samples are those of the distribution sampled from (after temperature).
@@ -1119,14 +1103,12 @@ def start_vllm(args, model_path, weight_transfer=False):
     else:
         cores = sorted(os.sched_getaffinity(0))[-args.vllm_cpu_cores:]
         env = {"VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, cores))}
-        # vLLM on CPU would otherwise reserve most of the machine's memory for its KV cache; one
-        # generation batch needs keys and values of every layer for each of its sequences.
+        # vLLM on CPU would reserve most of the memory for its KV cache: bound it by one batch's keys and values.
         config = AutoConfig.from_pretrained(model_path, trust_remote_code=args.trust_remote_code)
         per_token = 2 * config.num_hidden_layers * config.hidden_size * (2 if args.bf16 else 4)
         engine_args["kv_cache_memory_bytes"] = max(2 * per_token * args.batch_size * engine_args["max_model_len"],
                                                    64 * 2**20)
-        # A prompt whose prefill is split over steps makes vLLM rewind its seeded sampler, which
-        # torch's CPU generator cannot do; without chunked prefill every prompt is prefilled whole.
+        # A prefill split over steps makes vLLM rewind its seeded sampler, which torch's CPU generator cannot do.
         engine_args["enable_chunked_prefill"] = False
         shared = None
     if weight_transfer:
@@ -1165,13 +1147,10 @@ def pin_vllm_to_its_cores(args):
 
 
 def vllm_generate(llm, prompts, k, response_length, stop_token_id, temperature, seed):
-    """k responses to each prompt from vLLM, and the log-probability of each of their tokens under the weights
-    that sampled it (the behaviour policy), at the sampling temperature; sample j of prompt i is at index
-    j * len(prompts) + i.
-
-    Each request has its own seed (seed + its index), so a batch depends on the weights and the
-    seed only, not on what vLLM generated before (which keeps resumed runs exact). Temperature 0
-    is greedy decoding. Like generate(), only the stop token ends a response, and it is kept."""
+    """k responses to each prompt (sample j of prompt i at j * len(prompts) + i) and the log-probability of each token
+    under the weights that sampled it (the behaviour policy), at the sampling temperature. Request i gets seed + i, so a
+    batch depends on the weights and seed only, not on what vLLM generated before (which keeps reruns and resumed runs
+    exact). Temperature 0 is greedy. As in generate(), only the stop token ends a response (and is kept)."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -1186,9 +1165,8 @@ def vllm_generate(llm, prompts, k, response_length, stop_token_id, temperature, 
 
 
 def load_into_vllm(llm, weights_path):
-    """Replace the engine's weights by those of a save_pretrained directory (vLLM's in-place reload,
-    run in the engine's worker process). The prefix cache is emptied: its keys are token ids, not
-    weights, so prompts sharing a cached prefix would reuse keys and values of the old weights."""
+    """Replace the engine's weights by a save_pretrained directory's (vLLM's in-place reload, in its worker process) and
+    empty the prefix cache: keyed by token ids, not weights, it would serve keys and values of the old weights."""
     llm.collective_rpc("reload_weights", kwargs={"weights_path": weights_path})
     llm.reset_prefix_cache()
 
@@ -1300,8 +1278,7 @@ class VllmClient:
             if engine_dead(self.llm):
                 raise RuntimeError(f"vLLM's engine process died during {step}")
 
-        # The learner may be waiting in a collective that vLLM's worker has left or never joins: hand_off_watchdog()
-        # must know of a failure at once.
+        # The learner may be in a collective vLLM's worker left or never joins: hand_off_watchdog() must know at once.
         try:
             result, error = wait_for(in_thread(getattr(self.llm, step), *request), step, self.timeout, check)
         except Exception as error:  # the engine died, or the call did not return in time
@@ -1316,11 +1293,10 @@ class VllmClient:
 
 @contextlib.contextmanager
 def hand_off_watchdog(step, client):
-    """Bound a part of the weight hand-off that may never return: in a collective (NCCL's broadcast, gloo's) whose
-    other end died or hangs, the learner waits for ever, and no exception can reach it there. If `client` (a
-    VllmClient) reports a failed call and the block has not ended 5 s later, or the block runs 5 s past the client's
-    timeout, print one line naming the step, run the clean-ups registered with atexit (vLLM's engine processes, the
-    weights directory) and end the process with exit code 1. A failure that the block raises itself goes the usual way."""
+    """Bound a hand-off step that may never return: in a collective (NCCL's broadcast, gloo's) whose other end died or
+    hangs, the learner waits for ever, out of any exception's reach. If the block still runs 5 s after `client` (a
+    VllmClient) reports a failed call, or 5 s past its timeout, print one line naming the step, run the atexit clean-ups
+    (vLLM's engine processes, the weights directory) and exit with code 1. Errors the block raises go the usual way."""
     ended = threading.Event()
 
     def watch():
@@ -1417,10 +1393,9 @@ def packed_buffer_bytes(metadata, bound=256 * 2**20):
 
 
 def hand_over_weights(policy, version, *, transfer, generator, weights_dir, expected=None):
-    """Give vLLM version `version` of the policy: in memory through `transfer` (weight_transfer()), or with None as a
-    save_pretrained directory that the generator loads; with `expected` (a WeightCheck), the generator checks vLLM's
-    weights once loaded. Every rank calls this; `generator` is rank 0's, else None. Returns the seconds spent waiting
-    for the generator to finish batches of older policies."""
+    """Give vLLM policy version `version`: in memory by `transfer` (weight_transfer()), or if None as a save_pretrained
+    directory the generator loads; given `expected` (a WeightCheck), the generator then checks vLLM's weights. Every
+    rank calls this (`generator`: rank 0's, else None). Returns the seconds waited for older policies' batches."""
     path, waited = None, 0.0
     if transfer is None:
         path = os.path.join(weights_dir, f"policy-{version}")
@@ -1446,9 +1421,8 @@ def hand_over_weights(policy, version, *, transfer, generator, weights_dir, expe
 
 
 class WeightCheck(NamedTuple):
-    """What vLLM must hold after loading a version of the policy, taken from the learner when it handed the version
-    over (check_vllm_weights() compares): the log-probabilities of the probe's tokens and the digests of the
-    parameters that vLLM keeps as the learner does (those whose digests agreed when vLLM started)."""
+    """What vLLM must hold after loading a policy version, per the learner at hand-over (check_vllm_weights() compares):
+    the probe tokens' log-probabilities and the digests of the parameters that matched when vLLM started."""
     logprobs: list
     digests: dict
 
@@ -1475,9 +1449,8 @@ def vllm_digests(llm):
 
 @torch.no_grad()
 def learner_weight_check(policy, probe, names, pad_token_id, device):
-    """The WeightCheck of the learner's current weights (every rank takes part; rank 0's is the one used): the
-    log-probabilities, at temperature 1, of every probe sequence's tokens after its first, and the digests of `names`
-    (None: of every parameter, under each of its names)."""
+    """The learner's current WeightCheck (all ranks take part; rank 0's is used): log-probabilities at temperature 1 of
+    each probe sequence's tokens after its first, and digests of `names` (None: all parameters, under each name)."""
     ids = left_pad(probe, pad_token_id, device)
     logprobs = response_logprobs(forward(policy, ids, pad_token_id).logits, ids[:, 1:], 1, 1.0)
     digests = weight_digests(PolicyWeights(policy.module, names))
@@ -1485,9 +1458,8 @@ def learner_weight_check(policy, probe, names, pad_token_id, device):
 
 
 def check_vllm_weights(llm, version, probe, expected, bf16):
-    """Stop the run (raise WeightsDiffer) unless vLLM holds version `version` of the learner's policy: its
-    log-probabilities of the probe (prompt log-probabilities, at temperature 1) within PROBE_TOLERANCE of the
-    learner's, and every expected digest equal. Names the parameters that differ, else the probe token."""
+    """Raise WeightsDiffer (the run stops) unless vLLM holds policy version `version`: its prompt log-probabilities of
+    the probe (temperature 1) within PROBE_TOLERANCE of the learner's, every expected digest equal."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -1508,9 +1480,8 @@ def check_vllm_weights(llm, version, probe, expected, bf16):
 
 
 def exit_on_signals():
-    """Make SIGTERM and SIGINT exit through the clean-ups registered with atexit (vLLM's engine processes, the weights
-    directory), also while vLLM starts, where a KeyboardInterrupt would be lost. A job started with `&` keeps
-    ignoring Ctrl-C."""
+    """Make SIGTERM and SIGINT exit through the atexit clean-ups (vLLM's engine processes, the weights directory), also
+    while vLLM starts, where a KeyboardInterrupt would be lost. A job started with `&` keeps ignoring Ctrl-C."""
     for signum in (signal.SIGTERM, signal.SIGINT):
         if signal.getsignal(signum) is not signal.SIG_IGN:
             signal.signal(signum, lambda signum, frame: sys.exit(128 + signum))
@@ -1534,13 +1505,12 @@ def generating_version(update, first_version, off_policy_steps):
 
 def start_generation(args, policy, run_name, run_dir, rank, device, tokenizer, train_prompts, probe, stop_id,
                      prompts_per_rank, k, start_update, resumed_batches):
-    """vLLM on rank 0, started from the learner's weights (version start_update: the SFT policy, or the resumed one)
-    in a save_pretrained directory, and its generator thread, started; the weight check's first pass; the in-memory
-    hand-off connected. The later versions go in memory (--weight-sync memory, vLLM's weight transfer) or through
-    such directories, in /dev/shm when it has room for the K + 1 versions that can be on their way at once, else in
-    the run directory; each is deleted once vLLM has loaded it. Rank 0's process id keeps two runs of one name (a
-    sweep) apart. Every rank calls this; returns (rank 0's GenerationThread, else None; the hand-off, weight_transfer(),
-    or None; the directory of the versions; the parameters whose digests the weight check compares, None: all)."""
+    """On rank 0, vLLM started from the learner's weights (version start_update: the SFT policy or the resumed one) in a
+    save_pretrained directory, and its generator thread; on every rank, the weight check's first pass and the in-memory
+    hand-off. Later versions go in memory (--weight-sync memory) or through such directories, in /dev/shm if it has room
+    for the K + 1 versions that can be in flight at once, else in the run directory, each deleted once loaded; rank 0's
+    process id keeps two runs of one name (a sweep) apart. Returns (rank 0's GenerationThread, else None; the hand-off,
+    weight_transfer(), or None; the versions' directory; the parameters the weight check digests, None: all)."""
     off_policy_steps = 0 if args.sync else args.off_policy_steps  # K
     version_bytes = sum(getattr(p, "ds_numel", p.numel()) for p in policy.module.parameters()) * (2 if args.bf16 else 4)
     copies = off_policy_steps + 1 if args.weight_sync == "file" else 1
@@ -1606,13 +1576,11 @@ def load_generated_batches(checkpoint):
 
 
 class GenerationThread:
-    """vLLM on rank 0, generating in a background thread while the learner trains.
-
-    The engine runs in its own process, so generation and training overlap; this thread only feeds it, one batch
-    after another, each with the policy version generating_version() names, which it waits for. The learner
-    hands every version over with publish() (in memory: after sending it while the generator waits for it, see
-    wait_for_receiver()) and takes the batches, in order, with get(). Every wait is bounded by --generation-timeout;
-    an error in the generator, or the death of vLLM's engine, is raised in the learner."""
+    """vLLM on rank 0, generating in a background thread while the learner trains: the engine runs in its own process,
+    so generation and training overlap; this thread only feeds it, each batch with the version generating_version()
+    names, which it waits for. The learner hands every version over with publish() (in memory: sending it while the
+    generator waits, see wait_for_receiver()) and takes the batches, in order, with get(). Every wait is bounded by
+    --generation-timeout; a generator error or vLLM's engine dying is raised in the learner."""
 
     def __init__(self, args, llm, *, weights_dir, train_prompts, prompts_per_rank, k, stop_id, first_version,
                  off_policy_steps, probe, resumed_batches=()):
@@ -1620,21 +1588,18 @@ class GenerationThread:
         self.train_prompts, self.prompts_per_rank, self.k = train_prompts, prompts_per_rank, k
         self.first_version, self.off_policy_steps = first_version, off_policy_steps
         self.batches, self.versions, self.receivers = queue.Queue(), queue.Queue(), queue.Queue()
-        # Batches the learner will take before the queue's: those a checkpoint kept (the thread generates the
-        # batches after them), then those peek() has taken out of the queue.
+        # Batches get() returns before the queue's: those a checkpoint kept (not generated again), then peek()'s.
         self.ahead = collections.deque(resumed_batches)
         self.first_update = first_version + 1 + len(self.ahead)
-        self.error = None
-        self.stopping = threading.Event()
+        self.error, self.stopping = None, threading.Event()
         self.thread = threading.Thread(target=self._run, name="generator", daemon=True)
 
     def start(self):
         self.thread.start()
 
     def publish(self, version, weights_path=None, finish=None, expected=None):
-        """Hand the generator version `version` of the policy: a save_pretrained directory that it loads and deletes,
-        or None for weights sent to vLLM in memory, whose update `finish`, if given, completes; then, given the
-        learner's WeightCheck, it checks what vLLM holds."""
+        """Hand the generator version `version`: a save_pretrained directory it loads and deletes, or None (in memory;
+        `finish`, if given, completes the update); given `expected` (a WeightCheck) it checks vLLM's weights."""
         self.versions.put((version, weights_path, finish, expected))
 
     def wait_for_receiver(self, version):
@@ -1645,8 +1610,7 @@ class GenerationThread:
         assert ready == version, (ready, version)
 
     def get(self):
-        """The next GeneratedBatch, for the learner: raises the generator's error, or the engine's death, as
-        soon as either happens."""
+        """The next GeneratedBatch; raises the generator's error, or the engine's death, as soon as either happens."""
         if self.ahead:
             return self.ahead.popleft()
         return self._take(self.batches, "a generation batch", check=self.raise_if_failed)
@@ -1708,8 +1672,7 @@ class GenerationThread:
                 prompts = [self.train_prompts[i] for r in range(world_size) for i in
                            prompt_batch(len(self.train_prompts), self.prompts_per_rank, update - 1, args.seed, r,
                                         world_size)]
-                # Request i of this batch gets the seed below + i: seeds never repeat across batches, so a batch
-                # depends only on the weights and --seed (which keeps reruns and resumed runs exact).
+                # Request i gets this seed + i: seeds never repeat across batches (vllm_generate() says why).
                 responses, logprobs = vllm_generate(self.llm, prompts, self.k, args.response_length, self.stop_id,
                                                     args.temperature, seed=args.seed * 2**32 + update * args.batch_size)
                 # vLLM returns sample j of prompt p at j * len(prompts) + p, and rank r's prompt i is p =

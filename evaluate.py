@@ -348,9 +348,8 @@ def main(args):
 
 
 # ===========================================================================================================
-# Appendix: argument checks (validate, each script's own), then the plumbing, identical in every script that has
-# it (tests/test_shared_helpers.py keeps the copies equal): data, generation, scoring, evaluation, checkpoints,
-# distributed and run set-up. Change one, change all.
+# Appendix: argument checks (validate, each script's own), then the plumbing, the same in every script that has it
+# (data, generation, scoring, evaluation, checkpoints, set-up; tests/test_shared_helpers.py: change one, change all).
 # ===========================================================================================================
 
 def validate(args):
@@ -436,9 +435,8 @@ def check_model_path(argument, path):
 
 
 def check_model(args, argument, reward=False):
-    """A model argument, before anything loads: a directory (a hub id is checked when it loads) whose config
-    reads, that holds a tokenizer and, for a reward model, a sequence classifier (any other model would get
-    a score head of random weights); for a policy, anything but a sequence classifier."""
+    """A model argument, before anything loads: a directory (a hub id is checked when it loads) with a readable config
+    and a tokenizer; a reward model is a sequence classifier (any other gets a random score head), a policy is not."""
     path = getattr(args, argument)
     check_model_path(argument, path)
     if not os.path.isdir(path):
@@ -459,13 +457,11 @@ def check_model(args, argument, reward=False):
 
 
 def load_tokenizer(path, trust_remote_code):
-    """A tokenizer whose pad token is used for nothing else: padding is found by comparing token ids with it.
-
-    Where the tokenizer has none (Pythia) or pads with EOS (SmolLM2, Qwen2.5, Llama 3: then every EOS, also the
-    `<|im_end|>` inside a chat template, would be masked as padding), `[PAD]` is added here, to this tokenizer only.
-    Its id may lie past the model's vocabulary: no model ever reads it (forward() and generate() give padded
-    positions token 0 under a zero attention mask), the embeddings are not resized, so the learner's softmax is
-    vLLM's and checkpoints keep the model's vocabulary and its own tokenizer (save_checkpoint)."""
+    """A tokenizer whose pad token is used for nothing else: padding is found by comparing token ids with it. Where
+    there is none (Pythia) or it is EOS (SmolLM2, Qwen2.5, Llama 3: every EOS, also a chat template's `<|im_end|>`,
+    would be masked as padding), `[PAD]` is added, to this tokenizer only. Its id may lie past the vocabulary: no
+    model reads it (forward() and generate() give padded positions token 0 under a zero attention mask), the
+    embeddings are not resized, so the learner's softmax is vLLM's and checkpoints keep the model's own vocabulary."""
     tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     if tokenizer.pad_token_id is None or tokenizer.pad_token_id == tokenizer.eos_token_id:
         tokenizer.add_special_tokens({"pad_token": "[PAD]"})
@@ -502,12 +498,10 @@ def right_pad(sequences, pad_value, device):
 
 @torch.no_grad()
 def generate(model, queries, pad_token_id, stop_token_id, response_length, temperature=None):
-    """Sample (or, with temperature None, greedily decode) responses to left-padded queries.
-
-    The decoding loop of HF `generate` (same tokens for the same seed) with a preallocated KV cache and
-    without its per-step machinery (logits processors, stopping criteria), which costs more than the
-    arithmetic of a small model. After its stop token a response gets padding; the loop ends when all
-    responses have one. The model reads token 0 where there is padding (see load_tokenizer)."""
+    """Sample (or, with temperature None, greedily decode) responses to left-padded queries: HF generate()'s loop (the
+    same tokens for the same seed) with a preallocated KV cache and without its per-step machinery (logits processors,
+    stopping criteria), which costs more than a small model's arithmetic. After its stop token a response gets
+    padding; the loop ends when all have one. Padded positions read token 0 (see load_tokenizer)."""
     attention_mask = queries != pad_token_id
     position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
     cache = StaticCache(config=model.config, max_cache_len=queries.shape[1] + response_length)
@@ -535,15 +529,13 @@ def generate(model, queries, pad_token_id, stop_token_id, response_length, tempe
 
 
 def vllm_gpu_placement(env, num_node_gpus, vllm_gpu=None):
-    """vLLM's GPU: (the CUDA_VISIBLE_DEVICES entry for its engine, the CUDA index on rank 0 of the training GPU
-    it shares, or None when it has a GPU of its own). A pure function of the launcher's environment.
-
-    Training ranks use the first entries of CUDA_VISIBLE_DEVICES (all GPUs when unset), one per local rank:
-    deepspeed's launcher says how many in LOCAL_SIZE (and sets CUDA_VISIBLE_DEVICES to exactly those), torchrun
-    in LOCAL_WORLD_SIZE, a `python` launch is one rank. vLLM takes --vllm-gpu, else the next visible entry,
-    else (deepspeed only: its --num_gpus hid the rest of the node) the first of the node's GPUs that no rank
-    uses, else it shares rank 0's GPU. Entries are CUDA's own (indices in CUDA's order, UUIDs or MIG names),
-    passed on unchanged, so NVML's other numbering never enters; NVML only counts the node's GPUs."""
+    """vLLM's GPU: (its engine's CUDA_VISIBLE_DEVICES entry, the CUDA index on rank 0 of the training GPU it shares or
+    None when it has its own), a pure function of the launcher's environment. Training ranks use the first entries of
+    CUDA_VISIBLE_DEVICES (all GPUs when unset), one per local rank: as many as LOCAL_SIZE under deepspeed's launcher
+    (which sets CUDA_VISIBLE_DEVICES to exactly those), LOCAL_WORLD_SIZE under torchrun, 1 under `python`. vLLM takes
+    --vllm-gpu, else the next visible entry, else (deepspeed only: its --num_gpus hid the rest of the node) the first
+    node GPU no rank uses, else rank 0's GPU, shared. Entries are CUDA's own (indices in CUDA's order, UUIDs or MIG
+    names), passed on unchanged, so NVML's other numbering never enters; NVML only counts the node's GPUs."""
     visible = env.get("CUDA_VISIBLE_DEVICES")
     entries = [e.strip() for e in visible.split(",") if e.strip()] if visible else [str(i) for i in range(num_node_gpus)]
     local_ranks = int(env.get("LOCAL_SIZE") or env.get("LOCAL_WORLD_SIZE") or 1)
@@ -560,9 +552,8 @@ def vllm_gpu_placement(env, num_node_gpus, vllm_gpu=None):
 
 
 def vllm_memory_share(requested, free_bytes, total_bytes, gpu):
-    """vLLM's gpu_memory_utilization on a GPU it shares with training: vLLM refuses to start unless that share of
-    the GPU's total memory is free, and the learner's models are already there. By default vLLM takes half of what
-    is free (the other half is for the learner's activations and optimizer state)."""
+    """vLLM's gpu_memory_utilization on a GPU training already uses: vLLM starts only if that share of its total memory
+    is free. Default: half the free memory (the rest is for training's activations and optimizer state)."""
     share = requested if requested is not None else int(50 * free_bytes / total_bytes) / 100
     if share * total_bytes > free_bytes or (requested is None and share * total_bytes < 2**30):
         fail("vllm_gpu_memory_utilization", f"GPU {gpu}, shared with training, has {free_bytes / 2**30:.1f} of "
@@ -572,12 +563,10 @@ def vllm_memory_share(requested, free_bytes, total_bytes, gpu):
 
 
 def start_vllm(args, model_path, weight_transfer=False):
-    """A vLLM engine for `model_path`, running in its own process (vLLM's default) on its own device.
-
-    The engine process reads CUDA_VISIBLE_DEVICES (GPU) or VLLM_CPU_OMP_THREADS_BIND (CPU cores)
-    when it starts, so they are set around its construction and restored after. With `weight_transfer`
-    it takes weights in memory (see weight_transfer()): by NCCL on a GPU of its own, by CUDA IPC on a GPU
-    it shares (on a CPU: vLLM's "nccl" engine, which only the tests' plugin, tests/cpu_weight_transfer, provides)."""
+    """A vLLM engine for `model_path` in its own process (vLLM's default) on its own device: CUDA_VISIBLE_DEVICES (GPU)
+    or VLLM_CPU_OMP_THREADS_BIND (CPU cores), which the engine process reads, are set only while it starts. With
+    `weight_transfer` it takes weights in memory (weight_transfer()): NCCL on a GPU of its own, CUDA IPC on one it
+    shares (on a CPU: vLLM's "nccl" engine, provided only by the tests' plugin tests/cpu_weight_transfer)."""
     from vllm import LLM
 
     # Log-probabilities returned with samples are those of the distribution sampled from (after temperature).
@@ -602,14 +591,12 @@ def start_vllm(args, model_path, weight_transfer=False):
     else:
         cores = sorted(os.sched_getaffinity(0))[-args.vllm_cpu_cores:]
         env = {"VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, cores))}
-        # vLLM on CPU would otherwise reserve most of the machine's memory for its KV cache; one
-        # generation batch needs keys and values of every layer for each of its sequences.
+        # vLLM on CPU would reserve most of the memory for its KV cache: bound it by one batch's keys and values.
         config = AutoConfig.from_pretrained(model_path, trust_remote_code=args.trust_remote_code)
         per_token = 2 * config.num_hidden_layers * config.hidden_size * (2 if args.bf16 else 4)
         engine_args["kv_cache_memory_bytes"] = max(2 * per_token * args.batch_size * engine_args["max_model_len"],
                                                    64 * 2**20)
-        # A prompt whose prefill is split over steps makes vLLM rewind its seeded sampler, which
-        # torch's CPU generator cannot do; without chunked prefill every prompt is prefilled whole.
+        # A prefill split over steps makes vLLM rewind its seeded sampler, which torch's CPU generator cannot do.
         engine_args["enable_chunked_prefill"] = False
         shared = None
     if weight_transfer:
@@ -629,13 +616,10 @@ def allow_pickled_rpc(environ):
 
 
 def vllm_generate(llm, prompts, k, response_length, stop_token_id, temperature, seed):
-    """k responses to each prompt from vLLM, and the log-probability of each of their tokens under the weights
-    that sampled it (the behaviour policy), at the sampling temperature; sample j of prompt i is at index
-    j * len(prompts) + i.
-
-    Each request has its own seed (seed + its index), so a batch depends on the weights and the
-    seed only, not on what vLLM generated before (which keeps resumed runs exact). Temperature 0
-    is greedy decoding. Like generate(), only the stop token ends a response, and it is kept."""
+    """k responses to each prompt (sample j of prompt i at j * len(prompts) + i) and the log-probability of each token
+    under the weights that sampled it (the behaviour policy), at the sampling temperature. Request i gets seed + i, so a
+    batch depends on the weights and seed only, not on what vLLM generated before (which keeps reruns and resumed runs
+    exact). Temperature 0 is greedy. As in generate(), only the stop token ends a response (and is kept)."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -676,9 +660,8 @@ def write_for_vllm(module, state_dict, path):
 
 
 def load_into_vllm(llm, weights_path):
-    """Replace the engine's weights by those of a save_pretrained directory (vLLM's in-place reload,
-    run in the engine's worker process). The prefix cache is emptied: its keys are token ids, not
-    weights, so prompts sharing a cached prefix would reuse keys and values of the old weights."""
+    """Replace the engine's weights by a save_pretrained directory's (vLLM's in-place reload, in its worker process) and
+    empty the prefix cache: keyed by token ids, not weights, it would serve keys and values of the old weights."""
     llm.collective_rpc("reload_weights", kwargs={"weights_path": weights_path})
     llm.reset_prefix_cache()
 
@@ -737,9 +720,8 @@ def reward_scores(model, query_responses, pad_token_id):
 
 
 def load_model(args, path, reward=False):
-    """A causal LM or, with `reward`, a one-label sequence classifier (None without a path). Dropout is off (it
-    would make the log-probabilities of the same tokens disagree). The vocabulary stays the model's own: the pad
-    token that load_tokenizer may add is never read by a model."""
+    """A causal LM or, with `reward`, a one-label sequence classifier (None without a path), with dropout off (it would
+    make the log-probabilities of the same tokens disagree) and its own vocabulary (see load_tokenizer)."""
     if path is None:
         return None
     dtype_and_code = dict(dtype=torch.bfloat16 if args.bf16 else torch.float32, trust_remote_code=args.trust_remote_code)

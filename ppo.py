@@ -382,9 +382,8 @@ def main(args):
 
 
 # ===========================================================================================================
-# Appendix: argument checks (validate, each script's own), then the plumbing, identical in every script that has
-# it (tests/test_shared_helpers.py keeps the copies equal): data, generation, scoring, evaluation, checkpoints,
-# distributed and run set-up. Change one, change all.
+# Appendix: argument checks (validate, each script's own), then the plumbing, the same in every script that has it
+# (data, generation, scoring, evaluation, checkpoints, set-up; tests/test_shared_helpers.py: change one, change all).
 # ===========================================================================================================
 
 def validate(args):
@@ -451,9 +450,8 @@ def check_model_path(argument, path):
 
 
 def check_model(args, argument, reward=False):
-    """A model argument, before anything loads: a directory (a hub id is checked when it loads) whose config
-    reads, that holds a tokenizer and, for a reward model, a sequence classifier (any other model would get
-    a score head of random weights); for a policy, anything but a sequence classifier."""
+    """A model argument, before anything loads: a directory (a hub id is checked when it loads) with a readable config
+    and a tokenizer; a reward model is a sequence classifier (any other gets a random score head), a policy is not."""
     path = getattr(args, argument)
     check_model_path(argument, path)
     if not os.path.isdir(path):
@@ -571,10 +569,9 @@ def read_dataset(args):
 
 
 def load_prompts(args, tokenizer):
-    """Tokenised prompts of the train and eval splits (lists of token-id lists) and, with --rule-reward, their
-    answers (else Nones). A prompt is the `query` column's text, or the `messages` column's chat rendered with
-    the tokenizer's chat template and the generation prompt (a last assistant turn, the reference reply, is
-    left out, as in No Robots)."""
+    """Token ids of the train and eval splits' prompts and, with --rule-reward, their answers (else Nones). A prompt is
+    the `query` column's text, or the `messages` column's chat in the tokenizer's chat template with the generation
+    prompt (a last assistant turn, the reference reply as in No Robots, is left out)."""
     dataset = read_dataset(args)
     prompts, answers = {}, {}
     for argument in ("dataset_train_split", "dataset_eval_split"):
@@ -607,13 +604,11 @@ def load_prompts(args, tokenizer):
 
 
 def load_tokenizer(path, trust_remote_code):
-    """A tokenizer whose pad token is used for nothing else: padding is found by comparing token ids with it.
-
-    Where the tokenizer has none (Pythia) or pads with EOS (SmolLM2, Qwen2.5, Llama 3: then every EOS, also the
-    `<|im_end|>` inside a chat template, would be masked as padding), `[PAD]` is added here, to this tokenizer only.
-    Its id may lie past the model's vocabulary: no model ever reads it (forward() and generate() give padded
-    positions token 0 under a zero attention mask), the embeddings are not resized, so the learner's softmax is
-    vLLM's and checkpoints keep the model's vocabulary and its own tokenizer (save_checkpoint)."""
+    """A tokenizer whose pad token is used for nothing else: padding is found by comparing token ids with it. Where
+    there is none (Pythia) or it is EOS (SmolLM2, Qwen2.5, Llama 3: every EOS, also a chat template's `<|im_end|>`,
+    would be masked as padding), `[PAD]` is added, to this tokenizer only. Its id may lie past the vocabulary: no
+    model reads it (forward() and generate() give padded positions token 0 under a zero attention mask), the
+    embeddings are not resized, so the learner's softmax is vLLM's and checkpoints keep the model's own vocabulary."""
     tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     if tokenizer.pad_token_id is None or tokenizer.pad_token_id == tokenizer.eos_token_id:
         tokenizer.add_special_tokens({"pad_token": "[PAD]"})
@@ -651,12 +646,10 @@ def left_pad(sequences, pad_token_id, device):
 
 @torch.no_grad()
 def generate(model, queries, pad_token_id, stop_token_id, response_length, temperature=None):
-    """Sample (or, with temperature None, greedily decode) responses to left-padded queries.
-
-    The decoding loop of HF `generate` (same tokens for the same seed) with a preallocated KV cache and
-    without its per-step machinery (logits processors, stopping criteria), which costs more than the
-    arithmetic of a small model. After its stop token a response gets padding; the loop ends when all
-    responses have one. The model reads token 0 where there is padding (see load_tokenizer)."""
+    """Sample (or, with temperature None, greedily decode) responses to left-padded queries: HF generate()'s loop (the
+    same tokens for the same seed) with a preallocated KV cache and without its per-step machinery (logits processors,
+    stopping criteria), which costs more than a small model's arithmetic. After its stop token a response gets
+    padding; the loop ends when all have one. Padded positions read token 0 (see load_tokenizer)."""
     attention_mask = queries != pad_token_id
     position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
     cache = StaticCache(config=model.config, max_cache_len=queries.shape[1] + response_length)
@@ -738,8 +731,7 @@ RULE_REWARDS = {"last_number": last_number_reward}  # the rules --rule-reward na
 
 @torch.no_grad()
 def score_responses(args, reward_model, query_responses, context_length, answers, tokenizer):
-    """One score per response: the reward model's, or with --rule-reward the rule's on the response's text and
-    the prompt's answer."""
+    """One score per response: the reward model's, or the --rule-reward rule's on the response's text and answer."""
     if args.rule_reward is None:
         return reward_scores(reward_model, query_responses, tokenizer.pad_token_id)
     texts = tokenizer.batch_decode(query_responses[:, context_length:], skip_special_tokens=True)
@@ -799,9 +791,8 @@ def evaluate(args, policy, reward_model, gold_model, eval_prompts, eval_answers,
         sums += torch.stack([scores.sum(), gold.sum(), (responses != tokenizer.pad_token_id).sum(),
                              torch.tensor(len(scores), device=device)]).double()
         if not samples:
-            for q, r, s in zip(queries[:4], responses[:4], scores[:4]):
-                samples.append([tokenizer.decode(q, skip_special_tokens=True),
-                                tokenizer.decode(r, skip_special_tokens=True), round(s.item(), 3)])
+            samples = [[tokenizer.decode(q, skip_special_tokens=True), tokenizer.decode(r, skip_special_tokens=True),
+                        round(s.item(), 3)] for q, r, s in zip(queries[:4], responses[:4], scores[:4])]
     dist.all_reduce(sums)
     metrics = {"eval/scores": sums[0] / sums[3], "eval/response_length": sums[2] / sums[3]}
     if gold_model is not None:
@@ -904,9 +895,8 @@ def free_port():
 
 
 def gathered_state_dict(engine):
-    """The engine's weights for save_pretrained on rank 0 (None elsewhere). Under ZeRO-3 every rank takes
-    part in gathering the parameters one module at a time, so no device ever holds the whole model; the
-    gathered weights go to rank 0's CPU memory."""
+    """The engine's weights for save_pretrained, in rank 0's CPU memory (None elsewhere). Under ZeRO-3 every rank takes
+    part in gathering them one module at a time, so no device ever holds the whole model."""
     module, rank = engine.module, dist.get_rank()
     if engine.zero_optimization_stage() != 3:
         return module.state_dict() if rank == 0 else None
@@ -975,9 +965,8 @@ def run_directory(args):
 
 
 def load_model(args, path, reward=False):
-    """A causal LM or, with `reward`, a one-label sequence classifier (None without a path). Dropout is off (it
-    would make the log-probabilities of the same tokens disagree). The vocabulary stays the model's own: the pad
-    token that load_tokenizer may add is never read by a model."""
+    """A causal LM or, with `reward`, a one-label sequence classifier (None without a path), with dropout off (it would
+    make the log-probabilities of the same tokens disagree) and its own vocabulary (see load_tokenizer)."""
     if path is None:
         return None
     dtype_and_code = dict(dtype=torch.bfloat16 if args.bf16 else torch.float32, trust_remote_code=args.trust_remote_code)
