@@ -732,6 +732,8 @@ def load_model(args, path, reward=False):
     for module in model.modules():
         if isinstance(module, torch.nn.Dropout):
             module.p = 0.0
+        if isinstance(getattr(module, "attention_dropout", None), float):  # the attention's own, in training mode
+            module.attention_dropout = 0.0
     return model
 
 

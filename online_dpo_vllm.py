@@ -140,7 +140,7 @@ class Args:
     vllm_enforce_eager: bool = False
     """skip vLLM's model compilation (and CUDA graphs): starts faster, generates slower; for short runs"""
     generation_timeout: float = 600.0
-    """seconds the learner waits for a batch (and the generator for weights) before stopping with an error"""
+    """seconds the learner waits for a batch or a weight hand-off before stopping with an error"""
     check_weights_every: int = 10
     """check that vLLM holds the learner's weights (log-probabilities of a probe, digests of parameters) when it starts, after the first hand-off and every this many updates; stop with one line if not (0: never)"""
     weight_sync: Optional[str] = None
@@ -774,13 +774,16 @@ def mean_over_ranks(stats, device):
 
 @contextlib.contextmanager
 def unwrapped_for_generation(engine):
-    """The policy module for generate(); under ZeRO-3 its parameters are gathered once for the
-    whole call (DeepSpeed's helper), not layer by layer at every decoding step."""
-    if engine.zero_optimization_stage() == 3:
-        with unwrap_model_for_generation(engine):
+    """The policy module for generate(), in eval mode (under --gradient-checkpointing it trains in training mode, where
+    transformers drops the KV cache); under ZeRO-3 its parameters are gathered once for the whole call (DeepSpeed's
+    helper), not layer by layer at every decoding step."""
+    training = engine.module.training
+    engine.module.eval()
+    try:
+        with unwrap_model_for_generation(engine) if engine.zero_optimization_stage() == 3 else contextlib.nullcontext():
             yield engine.module
-    else:
-        yield engine.module
+    finally:
+        engine.module.train(training)
 
 
 @torch.no_grad()
@@ -946,7 +949,8 @@ def set_up_distributed(args):
     """Join the process group and take this rank's device; returns (rank, device)."""
     init_distributed()
     rank = dist.get_rank()
-    device = torch.device(get_accelerator().device_name(args.local_rank))
+    # The local rank: deepspeed's launcher passes --local_rank and sets LOCAL_RANK; torchrun sets LOCAL_RANK only.
+    device = torch.device(get_accelerator().device_name(int(os.environ.get("LOCAL_RANK", args.local_rank))))
     if torch.cuda.is_available():
         torch.cuda.set_device(device)
     torch.manual_seed(args.seed + rank)  # each rank samples different responses
@@ -990,14 +994,17 @@ def load_model(args, path, reward=False):
     for module in model.modules():
         if isinstance(module, torch.nn.Dropout):
             module.p = 0.0
+        if isinstance(getattr(module, "attention_dropout", None), float):  # the attention's own, in training mode
+            module.attention_dropout = 0.0
     return model
 
 
 def training_engine(args, model):
     """A DeepSpeed engine that trains `model` with AdamW (DeepSpeed's CPU Adam when the optimizer is offloaded),
     the learning rate decayed linearly to zero over the run's optimizer steps."""
-    if args.gradient_checkpointing:
+    if args.gradient_checkpointing:  # transformers checkpoints only in training mode (dropout is off: load_model)
         model.gradient_checkpointing_enable()
+        model.train()
     config = ds_config(args, train=True)
     offload = config["zero_optimization"].get("offload_optimizer", {}).get("device", "none") != "none"
     adam = deepspeed.ops.adam.DeepSpeedCPUAdam if offload else torch.optim.AdamW
@@ -1658,14 +1665,15 @@ class GenerationThread:
         if engine_dead(self.llm):
             raise RuntimeError("the generator failed: vLLM's engine process died")
 
-    def _take(self, source, what, check):
-        """The next item of a queue, waiting at most --generation-timeout and calling `check` meanwhile."""
+    def _take(self, source, what, check, timeout=None):
+        """The next item of a queue, waiting at most `timeout` (default --generation-timeout) seconds and calling
+        `check` meanwhile."""
         def checks():
             check()
             if self.stopping.is_set():
                 raise RuntimeError("the learner stopped")
 
-        return wait_for(source, what, self.args.generation_timeout, checks)
+        return wait_for(source, what, self.args.generation_timeout if timeout is None else timeout, checks)
 
     def _run(self):
         args, world_size = self.args, self.args.world_size
@@ -1676,7 +1684,10 @@ class GenerationThread:
                 t0 = time.time()
                 while loaded < generating_version(update, self.first_version, self.off_policy_steps):
                     self.receivers.put(loaded + 1)  # for wait_for_receiver(): vLLM is idle until the next version
-                    loaded, weights_path, finish, expected = self._take(self.versions, "waiting for new weights", check=lambda: None)
+                    # No deadline: the next version comes after the learner's update, evaluation and checkpoint,
+                    # however long they take; the learner's own waits are bounded, and its stopping ends this one.
+                    loaded, weights_path, finish, expected = self._take(self.versions, "waiting for new weights",
+                                                                        check=lambda: None, timeout=math.inf)
                     if weights_path is not None:
                         load_into_vllm(self.llm, weights_path)
                         shutil.rmtree(weights_path, ignore_errors=True)

@@ -690,13 +690,16 @@ def mean_over_ranks(stats, device):
 
 @contextlib.contextmanager
 def unwrapped_for_generation(engine):
-    """The policy module for generate(); under ZeRO-3 its parameters are gathered once for the
-    whole call (DeepSpeed's helper), not layer by layer at every decoding step."""
-    if engine.zero_optimization_stage() == 3:
-        with unwrap_model_for_generation(engine):
+    """The policy module for generate(), in eval mode (under --gradient-checkpointing it trains in training mode, where
+    transformers drops the KV cache); under ZeRO-3 its parameters are gathered once for the whole call (DeepSpeed's
+    helper), not layer by layer at every decoding step."""
+    training = engine.module.training
+    engine.module.eval()
+    try:
+        with unwrap_model_for_generation(engine) if engine.zero_optimization_stage() == 3 else contextlib.nullcontext():
             yield engine.module
-    else:
-        yield engine.module
+    finally:
+        engine.module.train(training)
 
 
 @torch.no_grad()
@@ -862,7 +865,8 @@ def set_up_distributed(args):
     """Join the process group and take this rank's device; returns (rank, device)."""
     init_distributed()
     rank = dist.get_rank()
-    device = torch.device(get_accelerator().device_name(args.local_rank))
+    # The local rank: deepspeed's launcher passes --local_rank and sets LOCAL_RANK; torchrun sets LOCAL_RANK only.
+    device = torch.device(get_accelerator().device_name(int(os.environ.get("LOCAL_RANK", args.local_rank))))
     if torch.cuda.is_available():
         torch.cuda.set_device(device)
     torch.manual_seed(args.seed + rank)  # each rank samples different responses
@@ -906,14 +910,17 @@ def load_model(args, path, reward=False):
     for module in model.modules():
         if isinstance(module, torch.nn.Dropout):
             module.p = 0.0
+        if isinstance(getattr(module, "attention_dropout", None), float):  # the attention's own, in training mode
+            module.attention_dropout = 0.0
     return model
 
 
 def training_engine(args, model):
     """A DeepSpeed engine that trains `model` with AdamW (DeepSpeed's CPU Adam when the optimizer is offloaded),
     the learning rate decayed linearly to zero over the run's optimizer steps."""
-    if args.gradient_checkpointing:
+    if args.gradient_checkpointing:  # transformers checkpoints only in training mode (dropout is off: load_model)
         model.gradient_checkpointing_enable()
+        model.train()
     config = ds_config(args, train=True)
     offload = config["zero_optimization"].get("offload_optimizer", {}).get("device", "none") != "none"
     adam = deepspeed.ops.adam.DeepSpeedCPUAdam if offload else torch.optim.AdamW

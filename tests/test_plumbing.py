@@ -15,6 +15,7 @@ import os
 import re
 import socket
 import sys
+import time
 import types
 
 import deepspeed
@@ -308,6 +309,58 @@ def test_zero3_weights_are_gathered_one_module_at_a_time(process_group, tmp_path
     assert max(gathered) == largest_module and len(gathered) > 4
     assert all(p.numel() == 0 for p in engine.module.parameters())  # released after each module
 
+
+
+def test_gradient_checkpointing_recomputes_in_training_and_generates_with_the_kv_cache(process_group):
+    """transformers checkpoints only a model in training mode, and there drops the KV cache that generate() uses. With
+    --gradient-checkpointing the policy trains in training mode (each layer runs again in the backward pass, with the
+    same log-probabilities: dropout is off) and generates in eval mode (the same tokens as without it)."""
+    process_group("gloo")
+    plain, queries, pad, stop = tiny_policy()
+    args = rloo.Args(gradient_checkpointing=True, bf16=False, num_updates=1)
+    engine = rloo.training_engine(args, rloo.load_model(args, os.path.join(TINY, "sft")))
+    runs = []
+    engine.module.gpt_neox.layers[0].register_forward_pre_hook(lambda *_: runs.append(1))  # each time the layer runs
+    responses, n = rloo.generate(plain, queries, pad, stop, 8), queries.shape[1]  # greedy
+    ids = torch.cat([queries, responses], 1)
+    ours = rloo.response_logprobs(rloo.forward(engine, ids, pad).logits, responses, n, 1.0)
+    ours.sum().backward()
+    assert engine.module.training and len(runs) == 2  # the forward, and its recomputation in the backward pass
+    with torch.no_grad():
+        theirs = rloo.response_logprobs(rloo.forward(plain, ids, pad).logits, responses, n, 1.0)
+    assert torch.allclose(ours, theirs, atol=1e-6)
+    with rloo.unwrapped_for_generation(engine) as model:
+        assert torch.equal(rloo.generate(model, queries, pad, stop, 8), responses)
+    assert engine.module.training  # training mode again after generating
+
+
+def test_each_rank_takes_the_device_of_its_local_rank_under_every_launcher(process_group, monkeypatch):
+    """deepspeed's launcher gives the local rank as --local_rank and in LOCAL_RANK, torchrun in LOCAL_RANK only: on
+    GPUs, every rank reading --local_rank's default 0 would put all ranks on GPU 0."""
+    process_group("gloo")
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    accelerator, asked = rloo.get_accelerator(), []
+    name = accelerator.device_name
+    monkeypatch.setattr(accelerator, "device_name", lambda index=None: asked.append(index) or name(index))
+    rloo.set_up_distributed(rloo.Args(bf16=False))  # local_rank 0, as under torchrun
+    assert asked == [3]
+
+
+def test_the_generator_waits_for_new_weights_without_a_deadline():
+    """The next version reaches the generator after the learner's update, evaluation and checkpoint, which may take
+    longer than --generation-timeout: it waits until the version comes or the learner stops, not until a deadline."""
+    args = online_dpo_vllm.Args(sync=True, generation_timeout=0.2, bf16=False, num_updates=3)
+    kept = online_dpo_vllm.GeneratedBatch(0, [[]], [[]], 0.0, 0.0)  # update 1's batch, from a checkpoint
+    generator = online_dpo_vllm.GenerationThread(args, None, weights_dir="unused", train_prompts=[[1]],
+                                                 prompts_per_rank=1, k=2, stop_id=0, first_version=0,
+                                                 off_policy_steps=0, probe=None, resumed_batches=[kept])
+    generator.start()
+    assert generator.receivers.get(timeout=10) == 1  # update 2's batch waits for version 1
+    time.sleep(1.0)  # five --generation-timeouts
+    assert generator.error is None and generator.thread.is_alive()
+    generator.stopping.set()
+    generator.thread.join(timeout=5)
+    assert str(generator.error) == "the learner stopped"
 
 def _load_fresh(path, name):
     spec = importlib.util.spec_from_file_location(name, path)
