@@ -706,22 +706,28 @@ def unwrapped_for_generation(engine):
 def evaluate(args, policy, reward_model, gold_model, eval_prompts, eval_answers, tokenizer, stop_id, device):
     """Greedy responses to held-out prompts, scored by the reward model (and the gold model) or the rule (with
     `last_number`, eval/scores is the accuracy)."""
-    rank, world = dist.get_rank(), dist.get_world_size()
-    prompts = eval_prompts[: args.num_eval_prompts][rank::world]
-    answers = eval_answers[: args.num_eval_prompts][rank::world]
+    rank, world, size = dist.get_rank(), dist.get_world_size(), args.per_device_train_batch_size
+    total = min(args.num_eval_prompts, len(eval_prompts))
+    indices = list(range(rank, total, world))
+    # Every rank runs as many batches as rank 0 (under ZeRO-3 each forward pass gathers parameters from all ranks):
+    # a rank with fewer prompts fills up with the first, counted 0 times.
+    counted = torch.tensor([1.0] * len(indices) + [0.0] * (-(-total // world) - len(indices)), device=device)
+    indices += [0] * (len(counted) - len(indices))
     sums = torch.zeros(4, dtype=torch.float64, device=device)  # on the device: NCCL reduces only CUDA tensors
     samples = []
-    for start in range(0, len(prompts), args.per_device_train_batch_size):
-        queries = left_pad(prompts[start: start + args.per_device_train_batch_size], tokenizer.pad_token_id, device)
+    for start in range(0, len(indices), size):
+        batch, weight = indices[start: start + size], counted[start: start + size]
+        queries = left_pad([eval_prompts[i] for i in batch], tokenizer.pad_token_id, device)
         with unwrapped_for_generation(policy) as model:
             responses = generate(model, queries, tokenizer.pad_token_id, stop_id, args.response_length)
         responses = truncate_response(responses, stop_id, tokenizer.pad_token_id)
         query_responses = torch.cat([queries, responses], 1)
         scores = score_responses(args, reward_model, query_responses, queries.shape[1],
-                                 answers[start: start + args.per_device_train_batch_size], tokenizer)
+                                 [eval_answers[i] for i in batch], tokenizer)
         gold = reward_scores(gold_model, query_responses, tokenizer.pad_token_id) if gold_model else scores * 0
-        sums += torch.stack([scores.sum(), gold.sum(), (responses != tokenizer.pad_token_id).sum(),
-                             torch.tensor(len(scores), device=device)]).double()
+        lengths = (responses != tokenizer.pad_token_id).sum(1)
+        sums += torch.stack([(scores * weight).sum(), (gold * weight).sum(), (lengths * weight).sum(),
+                             weight.sum()]).double()
         if not samples:
             samples = [[tokenizer.decode(q, skip_special_tokens=True), tokenizer.decode(r, skip_special_tokens=True),
                         round(s.item(), 3)] for q, r, s in zip(queries[:4], responses[:4], scores[:4])]

@@ -143,14 +143,18 @@ def process_group(monkeypatch):
                             MASTER_PORT=str(port)).items():
         monkeypatch.setenv(name, value)
 
-    def init(backend):
-        if dist.is_initialized():
+    def destroy():  # through DeepSpeed once it has used the group: it also forgets the groups it made from it
+        if deepspeed.comm.is_initialized():
+            deepspeed.comm.destroy_process_group()
+        elif dist.is_initialized():
             dist.destroy_process_group()
+
+    def init(backend):
+        destroy()
         dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
 
     yield init
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    destroy()
 
 
 def test_collectives_on_cpu_tensors_need_a_cpu_backend_beside_nccl(process_group):
@@ -333,6 +337,18 @@ def test_gradient_checkpointing_recomputes_in_training_and_generates_with_the_kv
         assert torch.equal(rloo.generate(model, queries, pad, stop, 8), responses)
     assert engine.module.training  # training mode again after generating
 
+
+
+def test_loaded_models_have_no_dropout_even_in_training_mode(tmp_path):
+    """Dropout would make the log-probabilities of the same tokens disagree (learner, reference, vLLM). load_model turns
+    off the dropout modules and the attention's own dropout probability, which a model applies in training mode only
+    (the policy's mode under --gradient-checkpointing)."""
+    config = LlamaConfig(vocab_size=12, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+                         attention_dropout=0.5)
+    LlamaForCausalLM(config).save_pretrained(tmp_path)
+    model = rloo.load_model(rloo.Args(bf16=False), str(tmp_path)).train()
+    ids = torch.randint(0, 12, (4, 9))
+    assert torch.equal(model(input_ids=ids).logits, model(input_ids=ids).logits)
 
 def test_each_rank_takes_the_device_of_its_local_rank_under_every_launcher(process_group, monkeypatch):
     """deepspeed's launcher gives the local rank as --local_rank and in LOCAL_RANK, torchrun in LOCAL_RANK only: on

@@ -296,7 +296,8 @@ def launch_two_processes(tmp_path, port, command, nodes):
 # and handed to vLLM in memory (under ZeRO-2 through files), and the off-policy correction weights them;
 # online_dpo_vllm.py, one update late, the same way. The other *_vllm.py scripts share their generator and hand-off.
 # Two nodes of one process each must train as one node of two does: the same numbers, vLLM on node 0 alone.
-TWO_PROCESS = [("rloo.py", [], 3, True),
+# rloo.py evaluates 65 prompts, 33 on rank 0 (two batches of 32) and 32 on rank 1: under ZeRO-3 both must run two.
+TWO_PROCESS = [("rloo.py", ["--num-eval-prompts", "65"], 3, True),
                ("rloo_vllm.py", ["--off-policy-steps", "2", "--vllm-enforce-eager"], 5, True),
                ("online_dpo_vllm.py", ["--vllm-enforce-eager"], 3, True)]
 
