@@ -191,11 +191,12 @@ class Args:
 # ===========================================================================================================
 
 def value_forward(value_model, query_responses, pad_token_id, context_length):
-    """Per-token values: the value head applied to the hidden state before each response token.
-
-    The value model is a sequence classifier (its head is `score`); run without the pooling at
-    the last token, its head gives one value per position."""
+    """Per-token values: the value model's head (`score`: it is a sequence classifier), without its pooling at the last
+    token, on the hidden state before each response token. Bypassing the engine's forward, it takes that forward's
+    first step: ZeRO-3 counts micro-batches there (else each one's gradient would replace the last one's)."""
     module = value_model.module if isinstance(value_model, deepspeed.DeepSpeedEngine) else value_model
+    if hasattr(getattr(value_model, "optimizer", None), "clear_backward_seen_flag"):
+        value_model.optimizer.clear_backward_seen_flag()
     hidden = forward(getattr(module, module.base_model_prefix), query_responses, pad_token_id).last_hidden_state
     return module.score(hidden[:, context_length - 1: -1]).squeeze(-1).float()
 
@@ -296,8 +297,7 @@ def masked_var(values, mask):
 
 
 def explained_variance(values, returns, mask):
-    """1 - Var(returns - values) / Var(returns) over response tokens: 1 when the values predict the
-    returns exactly, 0 when they predict no better than a constant."""
+    """1 - Var(returns - values) / Var(returns) on response tokens: 1 for exact values, 0 for no better than a mean."""
     return 1 - masked_var(returns - values, mask) / masked_var(returns, mask).clamp(min=1e-8)
 
 

@@ -350,6 +350,28 @@ def test_loaded_models_have_no_dropout_even_in_training_mode(tmp_path):
     ids = torch.randint(0, 12, (4, 9))
     assert torch.equal(model(input_ids=ids).logits, model(input_ids=ids).logits)
 
+
+def test_ppos_value_model_accumulates_every_micro_batch_under_zero3(process_group, tmp_path):
+    """value_forward runs the value model's parts (per-token values), not its DeepSpeed engine's forward, whose first
+    step ZeRO-3 needs to count micro-batches: without it, each micro-batch's gradient replaced the last one's and only
+    the last trained. With two accumulated micro-batches, ZeRO-3 must take ZeRO-2's step."""
+    import ppo
+
+    process_group("gloo")
+    torch.manual_seed(0)
+    ids = torch.randint(3, 600, (4, 12))
+    weights = {}
+    for stage in (2, 3):
+        (tmp_path / f"zero{stage}.json").write_text(json.dumps({"zero_optimization": {"stage": stage}}))
+        args = ppo.Args(deepspeed_config=str(tmp_path / f"zero{stage}.json"), bf16=False, num_updates=1,
+                        per_device_train_batch_size=2, gradient_accumulation_steps=2, learning_rate=1e-3)
+        engine = ppo.training_engine(args, ppo.load_model(args, os.path.join(TINY, "reward"), reward=True))
+        for micro_batch in (ids[:2], ids[2:]):
+            engine.backward(ppo.value_forward(engine, micro_batch, 1, 6).pow(2).mean())
+            engine.step()
+        weights[stage] = ppo.gathered_state_dict(engine)
+    assert max((weights[3][name] - weights[2][name]).abs().max().item() for name in weights[2]) < 1e-6
+
 def test_each_rank_takes_the_device_of_its_local_rank_under_every_launcher(process_group, monkeypatch):
     """deepspeed's launcher gives the local rank as --local_rank and in LOCAL_RANK, torchrun in LOCAL_RANK only: on
     GPUs, every rank reading --local_rank's default 0 would put all ranks on GPU 0."""
