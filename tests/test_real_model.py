@@ -9,6 +9,7 @@ tied input and output embeddings, a pad token that is its EOS, a chat template w
 
 import json
 import os
+import shutil
 
 import pytest
 import torch
@@ -153,7 +154,8 @@ def sync_run(smollm2, tmp_path_factory):
     run_script("rloo_vllm.py", "--sft-model-path", os.path.join(smollm2, "model"), *SMOLLM2_RUN, "--sync",
                "--total-episodes", "12", "--weight-sync", "memory", "--check-weights-every", "1", "--save-every", "2", "--output-dir", str(out),
                timeout=900)
-    return run_dir_of(str(out))
+    yield run_dir_of(str(out))
+    shutil.rmtree(out)  # two checkpoints of 1.6 GB each: the disk CI runs on may have little to spare
 
 
 def test_an_on_policy_run_keeps_vllm_on_the_learners_policy(sync_run):
