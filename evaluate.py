@@ -553,9 +553,10 @@ def vllm_gpu_placement(env, num_node_gpus, vllm_gpu=None):
 
 def vllm_memory_share(requested, free_bytes, total_bytes, gpu):
     """vLLM's gpu_memory_utilization on a GPU training already uses: vLLM starts only if that share of its total memory
-    is free. Default: half the free memory (the rest is for training's activations and optimizer state)."""
+    is free once its process has a CUDA context (about 0.5 GiB; 1 GiB kept for it here). Default: half the free memory
+    (the rest is for training's activations and optimizer state)."""
     share = requested if requested is not None else int(50 * free_bytes / total_bytes) / 100
-    if share * total_bytes > free_bytes or (requested is None and share * total_bytes < 2**30):
+    if share * total_bytes > free_bytes - 2**30 or (requested is None and share * total_bytes < 2**30):
         fail("vllm_gpu_memory_utilization", f"GPU {gpu}, shared with training, has {free_bytes / 2**30:.1f} of "
                                             f"{total_bytes / 2**30:.1f} GiB free, too little for vLLM to take "
                                             f"{share:.2f} of it (give vLLM a GPU of its own with --vllm-gpu)")

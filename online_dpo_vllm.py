@@ -1095,9 +1095,10 @@ def vllm_gpu_placement(env, num_node_gpus, vllm_gpu=None):
 
 def vllm_memory_share(requested, free_bytes, total_bytes, gpu):
     """vLLM's gpu_memory_utilization on a GPU training already uses: vLLM starts only if that share of its total memory
-    is free. Default: half the free memory (the rest is for training's activations and optimizer state)."""
+    is free once its process has a CUDA context (about 0.5 GiB; 1 GiB kept for it here). Default: half the free memory
+    (the rest is for training's activations and optimizer state)."""
     share = requested if requested is not None else int(50 * free_bytes / total_bytes) / 100
-    if share * total_bytes > free_bytes or (requested is None and share * total_bytes < 2**30):
+    if share * total_bytes > free_bytes - 2**30 or (requested is None and share * total_bytes < 2**30):
         fail("vllm_gpu_memory_utilization", f"GPU {gpu}, shared with training, has {free_bytes / 2**30:.1f} of "
                                             f"{total_bytes / 2**30:.1f} GiB free, too little for vLLM to take "
                                             f"{share:.2f} of it (give vLLM a GPU of its own with --vllm-gpu)")
@@ -1289,6 +1290,7 @@ class VllmClient:
     def __init__(self, llm, timeout):
         self.llm, self.timeout = llm, timeout
         self.failure = None  # the error of a call that failed, for hand_off_watchdog()
+        self.abandoned = False  # set by hand_off_watchdog() when the learner's end fails: calls in flight end
 
     def init_weight_transfer_engine(self, init_info):
         self.call("init_weight_transfer_engine", {"init_info": init_info})
@@ -1307,6 +1309,8 @@ class VllmClient:
         def check():
             if engine_dead(self.llm):
                 raise RuntimeError(f"vLLM's engine process died during {step}")
+            if self.abandoned:
+                raise RuntimeError(f"{step} abandoned: the learner's end of the hand-off failed")
 
         # The learner may be in a collective vLLM's worker left or never joins: hand_off_watchdog() must know at once.
         try:
@@ -1326,7 +1330,9 @@ def hand_off_watchdog(step, client):
     """Bound a hand-off step that may never return: in a collective (NCCL's broadcast, gloo's) whose other end died or
     hangs, the learner waits for ever, out of any exception's reach. If the block still runs 5 s after `client` (a
     VllmClient) reports a failed call, or 5 s past its timeout, print one line naming the step, run the atexit clean-ups
-    (vLLM's engine processes, the weights directory) and exit with code 1. Errors the block raises go the usual way."""
+    (vLLM's engine processes, the weights directory) and exit with code 1. Errors the block raises go the usual way,
+    and end the client's calls in flight: vLLM's NCCL sender leaves its worker's update_weights running in a thread
+    that Python joins at exit, which would otherwise wait for the worker (never, as it waits in the broadcast)."""
     ended = threading.Event()
 
     def watch():
@@ -1342,6 +1348,9 @@ def hand_off_watchdog(step, client):
     threading.Thread(target=watch, name="hand-off watchdog", daemon=True).start()
     try:
         yield
+    except BaseException:
+        client.abandoned = True
+        raise
     finally:
         ended.set()
 

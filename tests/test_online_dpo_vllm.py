@@ -208,13 +208,27 @@ class StoppingWeights(script.PolicyWeights):  # vLLM's worker stops once the pus
             yield item
 
 
+class RaisingWeights(script.PolicyWeights):  # the learner's end fails once the push has begun
+    def __iter__(self):
+        for i, item in enumerate(super().__iter__()):
+            if i == 3:
+                raise RuntimeError("the learner ran out of memory")
+            yield item
+
+
 if sys.argv[3] == "stop":
     transfer.source = StoppingWeights(model)
+elif sys.argv[3] == "raise":
+    transfer.source = RaisingWeights(model)
 else:  # vLLM's worker may not take more memory than it has now: it cannot allocate its receive buffer (50 MB)
     limit = worker.memory_info().vms + 16 * 2**20
     worker.rlimit(psutil.RLIMIT_AS, (limit, limit))
 print("pushing", flush=True)
-script.hand_over_weights(model, 1, transfer=transfer, generator=None, weights_dir=None)
+try:
+    script.hand_over_weights(model, 1, transfer=transfer, generator=None, weights_dir=None)
+except RuntimeError as error:
+    print("raised:", error, flush=True)
+    raise
 print("the push returned")
 """
 
@@ -262,6 +276,16 @@ def test_a_hand_off_that_vllms_worker_fails_ends_within_seconds_naming_the_cause
     assert "memory" in errors[0], errors
     # (before the failure was recorded: --generation-timeout, 60 s here, and 5 s more)
     assert returncode == 1 and "the push returned" not in stdout and took < 15, (returncode, took)
+    assert not alive, [(p.pid, p.name()) for p in alive]
+
+
+def test_a_hand_off_that_fails_on_the_learners_side_raises_and_exits_at_once(tmp_path):
+    """The learner's end raises in the middle of a push (as CUDA would, out of memory while packing): the error goes up
+    as usual and the process exits within seconds. Python joins vLLM's sender thread at exit, where the worker's
+    update_weights waits for the rest of the broadcast: it must end then, not at --generation-timeout (60 s here)."""
+    returncode, stdout, errors, took, alive = _hung_push(tmp_path, "raise")
+    assert "raised: handing version 1 of the policy to vLLM failed: the learner ran out of memory" in stdout, stdout
+    assert returncode == 1 and not errors and took < 15, (returncode, errors, took)
     assert not alive, [(p.pid, p.name()) for p in alive]
 
 

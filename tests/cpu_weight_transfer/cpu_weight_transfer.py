@@ -127,9 +127,12 @@ class GlooTrainerWeightTransferEngine(NCCLTrainerWeightTransferEngine):
                 pass
             return
         self.client.start_weight_update()
-        self.receiving = in_thread(self.client.update_weights, {
+        # As vLLM's NCCL sender: the worker's update_weights runs in an executor's thread, which Python joins at exit
+        executor = concurrent.futures.ThreadPoolExecutor(1)
+        self.receiving = executor.submit(self.client.update_weights, {
             "names": [m.name for m in meta], "dtype_names": [str(m.dtype).split(".")[-1] for m in meta],
             "shapes": [list(m.shape) for m in meta]})
+        executor.shutdown(wait=False)
         tensors = self._checked_iter(self.source, meta)
         sending = None
         for bucket in buckets([math.prod(m.shape) * m.dtype.itemsize for m in meta]):
