@@ -256,6 +256,8 @@ def main(args):
                         stats["loss"].append(loss)
                         stats["logps"].append(new_logprobs.sum(1).mean())
                         stats["entropy"].append(masked_mean(entropy, ~padding_mask[idx]))
+        logits = None  # batch x length x vocabulary: not held through the steps that follow
+        get_accelerator().synchronize()  # a GPU may still run the optimizer's step: it counts as training
         t3 = time.time()
 
         # 5. Log, evaluate, save.

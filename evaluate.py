@@ -533,15 +533,18 @@ def vllm_gpu_placement(env, num_node_gpus, vllm_gpu=None):
     None when it has its own), a pure function of the launcher's environment. Training ranks use the first entries of
     CUDA_VISIBLE_DEVICES (all GPUs when unset), one per local rank: as many as LOCAL_SIZE under deepspeed's launcher
     (which sets CUDA_VISIBLE_DEVICES to exactly those), LOCAL_WORLD_SIZE under torchrun, 1 under `python`. vLLM takes
-    --vllm-gpu, else the next visible entry, else (deepspeed only: its --num_gpus hid the rest of the node) the first
-    node GPU no rank uses, else rank 0's GPU, shared. Entries are CUDA's own (indices in CUDA's order, UUIDs or MIG
-    names), passed on unchanged, so NVML's other numbering never enters; NVML only counts the node's GPUs."""
+    --vllm-gpu (a training GPU only if rank 0's, whose process hands vLLM the weights and leaves it memory), else the
+    next visible entry, else (deepspeed only: its --num_gpus hid the rest of the node) the first node GPU no rank uses,
+    else rank 0's GPU, shared. Entries are CUDA's own (indices in CUDA's order, UUIDs or MIG names), passed on
+    unchanged, so NVML's other numbering never enters; NVML only counts the node's GPUs."""
     visible = env.get("CUDA_VISIBLE_DEVICES")
     entries = [e.strip() for e in visible.split(",") if e.strip()] if visible else [str(i) for i in range(num_node_gpus)]
     local_ranks = int(env.get("LOCAL_SIZE") or env.get("LOCAL_WORLD_SIZE") or 1)
     training, rest = entries[:local_ranks], entries[local_ranks:]
     if vllm_gpu is not None:
         choice = str(vllm_gpu)
+        if choice in training[1:]:
+            fail("vllm_gpu", f"GPU {choice} is training rank {training.index(choice)}'s: vLLM may share rank 0's only")
     elif rest:
         choice = rest[0]
     elif "LOCAL_SIZE" in env and all(e.isdigit() for e in training) and len(training) < num_node_gpus:
@@ -552,15 +555,17 @@ def vllm_gpu_placement(env, num_node_gpus, vllm_gpu=None):
 
 
 def vllm_memory_share(requested, free_bytes, total_bytes, gpu):
-    """vLLM's gpu_memory_utilization on a GPU training already uses: vLLM starts only if that share of its total memory
-    is free once its process has a CUDA context (about 0.5 GiB; 1 GiB kept for it here). Default: half the free memory
-    (the rest is for training's activations and optimizer state)."""
+    """vLLM's gpu_memory_utilization on a GPU training already uses, and the learner's share of the GPU then: vLLM
+    starts only if its share of the total memory is free once its process has a CUDA context (about 0.5 GiB; 1 GiB is
+    kept for it), and it frees and takes again its activations' memory at every batch, so the learner's allocator is
+    held to the rest (the learner, not vLLM, runs out of memory). Default: half the free memory (the rest is for
+    training's activations and optimizer state)."""
     share = requested if requested is not None else int(50 * free_bytes / total_bytes) / 100
     if share * total_bytes > free_bytes - 2**30 or (requested is None and share * total_bytes < 2**30):
         fail("vllm_gpu_memory_utilization", f"GPU {gpu}, shared with training, has {free_bytes / 2**30:.1f} of "
                                             f"{total_bytes / 2**30:.1f} GiB free, too little for vLLM to take "
                                             f"{share:.2f} of it (give vLLM a GPU of its own with --vllm-gpu)")
-    return share
+    return share, 1 - share - 2**30 / total_bytes
 
 
 def start_vllm(args, model_path, weight_transfer=False):
@@ -582,7 +587,8 @@ def start_vllm(args, model_path, weight_transfer=False):
         share = 0.9 if args.vllm_gpu_memory_utilization is None else args.vllm_gpu_memory_utilization
         if shared is not None:
             torch.cuda.empty_cache()  # blocks the learner's allocator holds but does not use are free for vLLM
-            share = vllm_memory_share(args.vllm_gpu_memory_utilization, *torch.cuda.mem_get_info(shared), gpu)
+            share, learner = vllm_memory_share(args.vllm_gpu_memory_utilization, *torch.cuda.mem_get_info(shared), gpu)
+            torch.cuda.set_per_process_memory_fraction(learner, shared)
             print(f"vLLM shares GPU {gpu} with training and takes {share:.2f} of its memory "
                   "(--vllm-gpu-memory-utilization); it has no GPU of its own", flush=True)
         else:

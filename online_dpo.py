@@ -265,6 +265,8 @@ def main(args):
                         stats["kl"].append(new_logratios.mean())
                         stats["logps"].append(new_logprobs.mean())
                         stats["scores"].append(scores[idx].mean())
+        logits = None  # batch x length x vocabulary: not held through the steps that follow
+        get_accelerator().synchronize()  # a GPU may still run the optimizer's step: it counts as training
         t3 = time.time()
 
         # 5. Log, evaluate, save.

@@ -330,6 +330,8 @@ def main(args):
                         stats["value_clipfrac"].append(masked_mean(value_clipped.float(), mask))
                         stats["ratio"].append(masked_mean(ratio, mask))
                         stats["entropy"].append(masked_mean(entropy, mask))
+        logits = None  # batch x length x vocabulary: not held through the steps that follow
+        get_accelerator().synchronize()  # a GPU may still run the optimizer's step: it counts as training
         t3 = time.time()
 
         # 5. Log, evaluate, save.

@@ -260,6 +260,8 @@ def main(args):
                         stats["clipfrac"].append(clipped.float().mean())
                         stats["ratio"].append(ratio.mean())
                         stats["entropy"].append(masked_mean(entropy, ~padding_mask[idx]))
+        logits = batch_logits = None  # batch x length x vocabulary: not held through the steps that follow
+        get_accelerator().synchronize()  # a GPU may still run the optimizer's step: it counts as training
         t3 = time.time()
 
         # 5. Log, evaluate, save.

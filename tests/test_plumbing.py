@@ -203,9 +203,9 @@ PLACEMENT = {
     "torchrun on 2 UUIDs": ({"CUDA_VISIBLE_DEVICES": "GPU-8a1f,GPU-77c2", "LOCAL_WORLD_SIZE": "1"}, 8, None,
                             ("GPU-77c2", None)),
     "python on a MIG slice": ({"CUDA_VISIBLE_DEVICES": "MIG-4b2e"}, 8, None, ("MIG-4b2e", 0)),
-    # --vllm-gpu wins; naming a training rank's GPU shares it.
+    # --vllm-gpu wins; naming rank 0's GPU shares it.
     "--vllm-gpu 7": ({"CUDA_VISIBLE_DEVICES": "0,1,2", "LOCAL_SIZE": "3"}, 8, 7, ("7", None)),
-    "--vllm-gpu 1 (rank 1's)": ({"CUDA_VISIBLE_DEVICES": "0,1,2", "LOCAL_SIZE": "3"}, 4, 1, ("1", 1)),
+    "--vllm-gpu 0 (rank 0's)": ({"CUDA_VISIBLE_DEVICES": "0,1,2", "LOCAL_SIZE": "3"}, 4, 0, ("0", 0)),
 }
 
 
@@ -219,10 +219,20 @@ def test_vllm_gpu_placement_over_the_launch_cases(case):
         assert online_dpo_vllm.vllm_gpu_placement({**env, "CUDA_DEVICE_ORDER": order}, num_gpus, vllm_gpu) == expected
 
 
+def test_vllm_may_share_no_training_gpu_but_rank_0s(capsys):
+    """Rank 0's process measures vLLM's memory, empties its allocator for vLLM and holds the learner to the rest: on
+    another rank's GPU it would do none of that for the rank that trains there."""
+    with pytest.raises(SystemExit) as exit:
+        online_dpo_vllm.vllm_gpu_placement({"CUDA_VISIBLE_DEVICES": "0,1,2", "LOCAL_SIZE": "3"}, 4, 1)
+    assert exit.value.code == 2
+    assert capsys.readouterr().err == "error: --vllm-gpu: GPU 1 is training rank 1's: vLLM may share rank 0's only\n"
+
+
 def test_vllm_memory_share_on_a_gpu_shared_with_training(capsys):
     gib = 2**30
-    assert online_dpo_vllm.vllm_memory_share(None, 60 * gib, 80 * gib, "0") == 0.37  # half of what is free, rounded down
-    assert online_dpo_vllm.vllm_memory_share(0.5, 60 * gib, 80 * gib, "0") == 0.5  # a share that fits is kept
+    # half of what is free, rounded down; the learner's allocator is held to the rest but vLLM's CUDA context
+    assert online_dpo_vllm.vllm_memory_share(None, 60 * gib, 80 * gib, "0") == (0.37, 1 - 0.37 - 1 / 80)
+    assert online_dpo_vllm.vllm_memory_share(0.5, 60 * gib, 80 * gib, "0") == (0.5, 1 - 0.5 - 1 / 80)  # a share that fits
     # vLLM would refuse to start (it measures once its CUDA context, about 0.5 GiB, is made); we stop first
     for requested, free in ((0.9, 60 * gib), (0.74, 60 * gib), (None, 1.5 * gib)):
         with pytest.raises(SystemExit) as exit:
@@ -477,12 +487,14 @@ def test_vllm_on_a_gpu_starts_with_what_its_weight_hand_off_needs(tmp_path, monk
     """start_vllm's GPU branch (vLLM's engine recorded, not started). On a GPU it shares with the learner (one GPU)
     vLLM takes CUDA IPC, whose update payload carries torch classes that vLLM's RPC pickles only with
     VLLM_ALLOW_INSECURE_SERIALIZATION=1, set in the engine's environment at start and kept for the run's life;
-    vLLM's share is chosen from free memory read after the learner's allocator gave back its cached blocks."""
+    vLLM's share is chosen from free memory read after the learner's allocator gave back its cached blocks, and the
+    learner's allocator is held to the rest."""
     calls = []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append("empty_cache"))
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda index: calls.append(("mem_get_info", index)) or
                         (40 * 2**30, 80 * 2**30))
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", lambda *limit: calls.append(limit))
     monkeypatch.setitem(sys.modules, "pynvml", FakeNvml(gpus))
     monkeypatch.setattr(importlib.import_module("vllm"), "LLM", RecordedLLM)
     for name in ("CUDA_VISIBLE_DEVICES", "LOCAL_SIZE", "LOCAL_WORLD_SIZE", "VLLM_ALLOW_INSECURE_SERIALIZATION"):
@@ -493,7 +505,8 @@ def test_vllm_on_a_gpu_starts_with_what_its_weight_hand_off_needs(tmp_path, monk
     assert "CUDA_VISIBLE_DEVICES" not in os.environ  # restored: only the engine's processes see it
     if gpus == 1:
         assert backend == "ipc" and llm.environ["CUDA_VISIBLE_DEVICES"] == "0"
-        assert calls == ["empty_cache", ("mem_get_info", 0)] and llm.engine_args["gpu_memory_utilization"] == 0.25
+        assert calls == ["empty_cache", ("mem_get_info", 0), (1 - 0.25 - 1 / 80, 0)]
+        assert llm.engine_args["gpu_memory_utilization"] == 0.25
         assert llm.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] == os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] == "1"
     else:
         assert backend == "nccl" and llm.environ["CUDA_VISIBLE_DEVICES"] == "1"
