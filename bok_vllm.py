@@ -523,7 +523,7 @@ def check_files(args):
 
 RESUME_KEEPS = ("seed", "dataset_name", "dataset_train_split", "max_prompt_length", "response_length", "k",
                 "per_device_train_batch_size", "gradient_accumulation_steps", "num_mini_batches", "total_episodes",
-                "world_size", "off_policy_steps", "sync")
+                "world_size", "off_policy_steps", "sync", "bf16")  # (bf16: DeepSpeed names its state files by it)
 
 
 def check_resume(args):
@@ -837,7 +837,8 @@ def save_checkpoint(args, run_dir, update, episode, engines, extra_files=None):
             state_dict = gathered_state_dict(engine)
             if dist.get_rank() == 0:
                 engine.module.save_pretrained(tmp if name == "policy" else os.path.join(tmp, name), state_dict=state_dict)
-        torch.save({"torch": torch.get_rng_state(), "accelerator": get_accelerator().get_rng_state()},
+        torch.save({"torch": torch.get_rng_state(), "accelerator": get_accelerator().get_rng_state(),
+                    "device": get_accelerator().device_name()},
                    os.path.join(tmp, "training_state", f"rng_rank{dist.get_rank()}.pt"))
         if dist.get_rank() == 0:
             AutoTokenizer.from_pretrained(args.sft_model_path, trust_remote_code=args.trust_remote_code).save_pretrained(tmp)
@@ -876,7 +877,8 @@ def load_checkpoint(checkpoint, engines):
         engine.load_checkpoint(os.path.join(checkpoint, "training_state"), tag=name)
     rng = torch.load(os.path.join(checkpoint, "training_state", f"rng_rank{dist.get_rank()}.pt"), weights_only=True)
     torch.set_rng_state(rng["torch"])
-    get_accelerator().set_rng_state(rng["accelerator"])
+    if rng.get("device", get_accelerator().device_name()) == get_accelerator().device_name():  # a GPU's fits no CPU
+        get_accelerator().set_rng_state(rng["accelerator"])
     with open(os.path.join(checkpoint, "trainer_state.json")) as f:
         state = json.load(f)
     return state["update"], state["episode"]

@@ -121,7 +121,7 @@ def bad_path(tmp_path, kind):
         (path / "checkpoint-2").mkdir()
         (path / "checkpoint-2" / "trainer_state.json").write_text('{"script": "rloo.py", "upd')
     elif kind in ("RLOO_RUN_K4", "ASYNC_RUN"):  # a run of rloo.py with 4 samples a prompt; an asynchronous one
-        script, arguments = ("rloo.py", {"k": 4, "seed": 1}) if kind == "RLOO_RUN_K4" else \
+        script, arguments = ("rloo.py", {"k": 4, "seed": 1, "bf16": False}) if kind == "RLOO_RUN_K4" else \
             ("online_dpo_vllm.py", {"k": 2, "seed": 1, "off_policy_steps": 1, "sync": False})
         (path / "checkpoint-2").mkdir()
         (path / "checkpoint-2" / "trainer_state.json").write_text(json.dumps(

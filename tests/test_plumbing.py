@@ -219,6 +219,20 @@ def test_vllm_gpu_placement_over_the_launch_cases(case):
         assert online_dpo_vllm.vllm_gpu_placement({**env, "CUDA_DEVICE_ORDER": order}, num_gpus, vllm_gpu) == expected
 
 
+def test_a_checkpoint_from_another_kind_of_device_resumes_without_its_generator_state(tmp_path, process_group):
+    """A checkpoint written on a GPU, resumed on a CPU: the accelerator's generator state (CUDA's Philox, 16 bytes)
+    fits no CPU generator, which would refuse it after DeepSpeed had loaded; torch's own CPU state is restored."""
+    process_group("gloo")
+    (tmp_path / "training_state").mkdir()
+    saved = torch.manual_seed(7).get_state()
+    torch.save({"torch": saved, "accelerator": torch.zeros(16, dtype=torch.uint8), "device": "cuda"},
+               tmp_path / "training_state" / "rng_rank0.pt")
+    (tmp_path / "trainer_state.json").write_text('{"update": 2, "episode": 64}')
+    torch.manual_seed(0)
+    assert rloo.load_checkpoint(str(tmp_path), {}) == (2, 64)
+    assert torch.equal(torch.get_rng_state(), saved)
+
+
 def test_vllm_may_share_no_training_gpu_but_rank_0s(capsys):
     """Rank 0's process measures vLLM's memory, empties its allocator for vLLM and holds the learner to the rest: on
     another rank's GPU it would do none of that for the rank that trains there."""

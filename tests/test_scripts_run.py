@@ -469,6 +469,7 @@ BAD_INPUT = [  # (script, arguments, the argument the error must name)
         (["--resume", "PPO_CHECKPOINT"], "--resume"),
         (["--resume", "BROKEN_CHECKPOINT"], "--resume"),
         (["--resume", "RLOO_RUN_K4"], "--resume"),  # other batches than the run it resumes
+        (["--k", "4", "--resume", "RLOO_RUN_K4", "--bf16"], "--resume"),  # DeepSpeed's files are named by bf16
         (["--sft-model-path", "assets/tiny/reward"], "--sft-model-path"),  # a reward model, not a policy
         (["--deepspeed-config", "NOT_JSON"], "--deepspeed-config"),
         (["--output-dir", "A_FILE"], "--output-dir"),
