@@ -1007,7 +1007,11 @@ def latest_checkpoint(path):
 
 
 def load_checkpoint(checkpoint, engines):
-    """Restore the training state written by save_checkpoint; returns (update, episode)."""
+    """Restore the training state written by save_checkpoint into rank 0's `checkpoint` (where nodes share a directory,
+    another node's listing of it may lag and name an older one); returns (update, episode)."""
+    chosen = [checkpoint]
+    dist.broadcast_object_list(chosen, src=0)
+    checkpoint = chosen[0]
     for name, engine in engines.items():
         engine.checkpoint_engine = SafeCheckpointEngine()
         engine.load_checkpoint(os.path.join(checkpoint, "training_state"), tag=name)

@@ -14,6 +14,7 @@ import math
 import os
 import re
 import socket
+import subprocess
 import sys
 import time
 import types
@@ -231,6 +232,31 @@ def test_a_checkpoint_from_another_kind_of_device_resumes_without_its_generator_
     torch.manual_seed(0)
     assert rloo.load_checkpoint(str(tmp_path), {}) == (2, 64)
     assert torch.equal(torch.get_rng_state(), saved)
+
+
+def test_every_rank_resumes_from_rank_0s_latest_checkpoint(tmp_path):
+    """Nodes sharing a run directory may list it differently for a while (NFS caches listings): a rank whose listing
+    still names an older checkpoint must load rank 0's, or the ranks would resume at different updates."""
+    for update in (2, 3):
+        (tmp_path / f"checkpoint-{update}" / "training_state").mkdir(parents=True)
+        for rank in (0, 1):
+            state = torch.manual_seed(update).get_state()
+            torch.save({"torch": state, "accelerator": state, "device": "cpu"},
+                       tmp_path / f"checkpoint-{update}" / "training_state" / f"rng_rank{rank}.pt")
+        (tmp_path / f"checkpoint-{update}" / "trainer_state.json").write_text(
+            json.dumps({"update": update, "episode": 32 * update}))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    code = ("import sys, torch.distributed as dist, rloo\n"
+            "dist.init_process_group('gloo', init_method='tcp://127.0.0.1:' + sys.argv[1], rank=int(sys.argv[2]),"
+            " world_size=2)\n"
+            "print(rloo.load_checkpoint(sys.argv[3], {}))")
+    ranks = [subprocess.Popen([sys.executable, "-c", code, str(port), str(rank), str(tmp_path / f"checkpoint-{seen}")],
+                              cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for rank, seen in ((0, 3), (1, 2))]  # rank 1's listing lags one checkpoint behind
+    outputs = [rank.communicate(timeout=120) for rank in ranks]
+    assert [out.strip().splitlines()[-1:] for out, _ in outputs] == [["(3, 96)"], ["(3, 96)"]], outputs
 
 
 def test_vllm_may_share_no_training_gpu_but_rank_0s(capsys):
