@@ -29,28 +29,24 @@ checkpoints) or from HF generation (`--backend hf`).
 import glob
 import importlib.util
 import json
-import math
 import os
-import re
 import shutil
-import sys
 import tempfile
 import time
-import unittest.mock
 from dataclasses import asdict, dataclass
 from types import SimpleNamespace
 from typing import Optional
 
 import torch
 import tyro
-from datasets import load_dataset
-from datasets.exceptions import DatasetGenerationError
-from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification,
-                          AutoTokenizer, StaticCache)
+from transformers import AutoTokenizer
 
-# vLLM logs about a hundred INFO lines around a run's own (start-up, compilation, shutdown): warnings only unless the
-# user sets VLLM_LOGGING_LEVEL (INFO shows them). Read when vLLM is first imported; its engine's processes inherit it.
-os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+from checks import check_gpu_driver, check_model, check_model_path, check_numbers, fail
+from data import left_pad, load_model, load_tokenizer, read_dataset, right_pad, stop_token_id
+# Sampling and scoring exactly as in training: the RLHF details, the same in every script (tests/test_layout.py).
+from rloo_vllm import (RULE_REWARDS, forward, generate, response_logprobs, reward_scores, truncate_response,
+                       vllm_generate)
+from vllm_engine import load_into_vllm, shut_down, start_vllm, tied_output_names, write_for_vllm
 
 
 @dataclass
@@ -132,22 +128,6 @@ def find_checkpoints(path):
         hint = f" (it holds runs: pass one, e.g. {os.path.join(path, runs[0])})" if runs else ""
         fail("checkpoints", f"no checkpoint-<update> directory and no model in {path}{hint}")
     return [os.path.join(path, f"checkpoint-{update}") for update in updates]
-
-
-def read_dataset(args):
-    """--dataset-name through datasets' load_dataset (a directory of JSON lines or parquet files, or a hub id). Every
-    way it can fail is bad input: one line naming the argument, exit code 2."""
-    if not os.path.exists(args.dataset_name) and args.dataset_name.count("/") != 1:
-        fail("dataset_name", f"no such directory: {args.dataset_name}")
-    try:
-        return load_dataset(args.dataset_name)
-    except StopIteration:  # what datasets' JSON loader raises on an empty file
-        files = sorted(os.listdir(args.dataset_name)) if os.path.isdir(args.dataset_name) else []
-        empty = [f for f in files if os.path.getsize(os.path.join(args.dataset_name, f)) == 0]
-        fail("dataset_name", f"cannot load {args.dataset_name}: {', '.join(empty) or 'a data file'} is empty")
-    except (OSError, ValueError, DatasetGenerationError) as error:  # unreadable, a line that is not JSON, ...
-        cause = str(error.__cause__ or error).strip() or type(error).__name__
-        fail("dataset_name", f"cannot load {args.dataset_name}: {cause.splitlines()[0]}")
 
 
 def load_eval_data(args, tokenizer, stop_id):
@@ -348,8 +328,7 @@ def main(args):
 
 
 # ===========================================================================================================
-# Appendix: argument checks (validate, each script's own), then the plumbing, the same in every script that has it
-# (data, generation, scoring, evaluation, checkpoints, set-up; tests/test_shared_helpers.py: change one, change all).
+# This script's argument checks (checks.py holds those of every script).
 # ===========================================================================================================
 
 def validate(args):
@@ -369,11 +348,7 @@ def validate(args):
         fail("gold_reward_model_path", "required: the win rate is measured with a gold reward model")
     else:
         check_model(args, "gold_reward_model_path", reward=True)
-    for name, value in asdict(args).items():
-        if isinstance(value, float) and not math.isfinite(value):
-            fail(name, f"must be a finite number, got {value}")
-    if not 0 <= args.seed < 2**31:  # the training scripts' range
-        fail("seed", f"must be in [0, 2**31), got {args.seed}")
+    check_numbers(args)
     if args.output is not None and (os.path.isdir(args.output)
                                     or not os.path.isdir(os.path.dirname(os.path.abspath(args.output)))):
         fail("output", f"must be a file in an existing directory, got {args.output}")  # found before, not after, the work
@@ -398,350 +373,6 @@ def validate(args):
         fail("backend", "vllm is not installed")
     args.backend = "vllm" if args.backend == "auto" and has_vllm else "hf" if args.backend == "auto" else args.backend
     args.batch_size = args.per_device_eval_batch_size
-
-
-def fail(argument, message):
-    """Bad input: one line on stderr naming the argument, exit code 2."""
-    print(f"error: --{argument.replace('_', '-')}: {message}", file=sys.stderr)
-    sys.exit(2)
-
-
-def check_gpu_driver():
-    """Stop (one line, exit code 2) when this machine has NVIDIA GPUs that this torch cannot use: a CUDA build of
-    torch under a driver older than it needs finds no GPU, and the run would go on on the CPU without a word."""
-    if torch.version.cuda is None or torch.cuda.is_available():
-        return
-    try:
-        import pynvml
-
-        pynvml.nvmlInit()
-        gpus, driver = pynvml.nvmlDeviceGetCount(), pynvml.nvmlSystemGetDriverVersion()
-    except Exception:  # no NVIDIA driver (or no NVML): a machine without NVIDIA GPUs
-        return
-    if gpus:
-        needed = {"12": "R525", "13": "R580"}.get(torch.version.cuda.split(".")[0], "a newer one")
-        print(f"error: this torch is a CUDA {torch.version.cuda} build, which needs NVIDIA driver {needed} or newer; "
-              f"this machine's {gpus} GPU(s) have driver {driver}, so CUDA is unavailable (update the driver, or "
-              "install a torch built for an older CUDA: README, GPUs)", file=sys.stderr)
-        sys.exit(2)
-
-
-def check_model_path(argument, path):
-    looks_like_hub_id = path.count("/") == 1 and not path.startswith((".", "/", "~"))
-    if os.path.isfile(path):
-        fail(argument, f"{path} is a file, not a directory")
-    if not os.path.isdir(path) and not looks_like_hub_id:
-        fail(argument, f"no such directory: {path}")
-
-
-def check_model(args, argument, reward=False):
-    """A model argument, before anything loads: a directory (a hub id is checked when it loads) with a readable config
-    and a tokenizer; a reward model is a sequence classifier (any other gets a random score head), a policy is not."""
-    path = getattr(args, argument)
-    check_model_path(argument, path)
-    if not os.path.isdir(path):
-        return
-    try:
-        config = AutoConfig.from_pretrained(path, trust_remote_code=args.trust_remote_code)
-    except (OSError, ValueError) as error:
-        fail(argument, f"cannot read the model's config in {path}: {str(error).splitlines()[0]}")
-    tokenizer_files = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
-    if not any(os.path.isfile(os.path.join(path, name)) for name in tokenizer_files):
-        fail(argument, f"{path} has no tokenizer")
-    classifier = any(name.endswith("ForSequenceClassification") for name in config.architectures or [])
-    if reward and not classifier:
-        fail(argument, f"{path} is not a reward model: its architectures are {config.architectures}, "
-                       "not a ...ForSequenceClassification")
-    if not reward and classifier:  # it would load as a language model with an untrained output layer
-        fail(argument, f"{path} is a reward model ({config.architectures[0]}), not a language model")
-
-
-def load_tokenizer(path, trust_remote_code):
-    """A tokenizer whose pad token is used for nothing else: padding is found by comparing token ids with it. Where
-    there is none (Pythia) or it is EOS (SmolLM2, Qwen2.5, Llama 3: every EOS, also a chat template's `<|im_end|>`,
-    would be masked as padding), `[PAD]` is added, to this tokenizer only. Its id may lie past the vocabulary: no
-    model reads it (forward() and generate() give padded positions token 0 under a zero attention mask), the
-    embeddings are not resized, so the learner's softmax is vLLM's and checkpoints keep the model's own vocabulary."""
-    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
-    if tokenizer.pad_token_id is None or tokenizer.pad_token_id == tokenizer.eos_token_id:
-        tokenizer.add_special_tokens({"pad_token": "[PAD]"})
-    return tokenizer
-
-
-def stop_token_id(args, tokenizer):
-    if args.stop_token == "eos":
-        if tokenizer.eos_token_id is None:
-            fail("stop_token", "the tokenizer has no EOS token; name a stop token")
-        return tokenizer.eos_token_id
-    ids = tokenizer.encode(args.stop_token, add_special_tokens=False)
-    if len(ids) != 1:
-        fail("stop_token", f"{args.stop_token!r} is not a single token of the tokenizer (it is {len(ids)} tokens)")
-    return ids[0]
-
-
-def left_pad(sequences, pad_token_id, device):
-    width = max(len(s) for s in sequences)
-    out = torch.full((len(sequences), width), pad_token_id, dtype=torch.long)
-    for i, s in enumerate(sequences):
-        out[i, width - len(s):] = torch.tensor(s, dtype=torch.long)
-    return out.to(device)
-
-
-def right_pad(sequences, pad_value, device):
-    """Lists of token ids (an int pad value) or log-probabilities (a float one) as one padded tensor."""
-    width = max(1, max(len(s) for s in sequences))
-    out = torch.full((len(sequences), width), pad_value)
-    for i, s in enumerate(sequences):
-        out[i, : len(s)] = torch.tensor(s, dtype=out.dtype)
-    return out.to(device)
-
-
-@torch.no_grad()
-def generate(model, queries, pad_token_id, stop_token_id, response_length, temperature=None):
-    """Sample (or, with temperature None, greedily decode) responses to left-padded queries: HF generate()'s loop (the
-    same tokens for the same seed) with a preallocated KV cache and without its per-step machinery (logits processors,
-    stopping criteria), which costs more than a small model's arithmetic. After its stop token a response gets
-    padding; the loop ends when all have one. Padded positions read token 0 (see load_tokenizer)."""
-    attention_mask = queries != pad_token_id
-    position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
-    cache = StaticCache(config=model.config, max_cache_len=queries.shape[1] + response_length)
-    cache_position = torch.arange(queries.shape[1], device=queries.device)
-    finished = torch.zeros(len(queries), dtype=torch.bool, device=queries.device)
-    inputs, tokens = queries.masked_fill(~attention_mask, 0), []
-    for _ in range(response_length):
-        logits = model(input_ids=inputs, attention_mask=attention_mask, position_ids=position_ids,
-                       past_key_values=cache, cache_position=cache_position, use_cache=True,
-                       logits_to_keep=1).logits[:, -1].float()
-        if temperature:
-            token = torch.multinomial(torch.softmax(logits / temperature, dim=-1), num_samples=1).squeeze(1)
-        else:
-            token = logits.argmax(-1)
-        token = token.masked_fill(finished, pad_token_id)
-        tokens.append(token)
-        finished |= token == stop_token_id
-        if finished.all():
-            break
-        inputs = token.masked_fill(finished, 0).unsqueeze(1)  # a finished response's next input: never attended to
-        attention_mask = torch.cat([attention_mask, torch.ones_like(inputs, dtype=torch.bool)], 1)
-        position_ids = position_ids[:, -1:] + 1
-        cache_position = cache_position[-1:] + 1
-    return torch.stack(tokens, 1)
-
-
-def vllm_gpu_placement(env, num_node_gpus, vllm_gpu=None):
-    """vLLM's GPU: (its engine's CUDA_VISIBLE_DEVICES entry, the CUDA index on rank 0 of the training GPU it shares or
-    None when it has its own), a pure function of the launcher's environment. Training ranks use the first entries of
-    CUDA_VISIBLE_DEVICES (all GPUs when unset), one per local rank: as many as LOCAL_SIZE under deepspeed's launcher
-    (which sets CUDA_VISIBLE_DEVICES to exactly those), LOCAL_WORLD_SIZE under torchrun, 1 under `python`. vLLM takes
-    --vllm-gpu (a training GPU only if rank 0's, whose process hands vLLM the weights and leaves it memory), else the
-    next visible entry, else (deepspeed only: its --num_gpus hid the rest of the node) the first node GPU no rank uses,
-    else rank 0's GPU, shared. Entries are CUDA's own (indices in CUDA's order, UUIDs or MIG names), passed on
-    unchanged, so NVML's other numbering never enters; NVML only counts the node's GPUs."""
-    visible = env.get("CUDA_VISIBLE_DEVICES")
-    entries = [e.strip() for e in visible.split(",") if e.strip()] if visible else [str(i) for i in range(num_node_gpus)]
-    local_ranks = int(env.get("LOCAL_SIZE") or env.get("LOCAL_WORLD_SIZE") or 1)
-    training, rest = entries[:local_ranks], entries[local_ranks:]
-    if vllm_gpu is not None:
-        choice = str(vllm_gpu)
-        if choice in training[1:]:
-            fail("vllm_gpu", f"GPU {choice} is training rank {training.index(choice)}'s: vLLM may share rank 0's only")
-    elif rest:
-        choice = rest[0]
-    elif "LOCAL_SIZE" in env and all(e.isdigit() for e in training) and len(training) < num_node_gpus:
-        choice = next(str(i) for i in range(num_node_gpus) if str(i) not in training)
-    else:
-        choice = training[0]
-    return choice, (entries.index(choice) if choice in training else None)
-
-
-def vllm_memory_share(requested, free_bytes, total_bytes, gpu):
-    """vLLM's gpu_memory_utilization on a GPU training already uses, and the learner's share of the GPU then: vLLM
-    starts only if its share of the total memory is free once its process has a CUDA context (about 0.5 GiB; 1 GiB is
-    kept for it), and it frees and takes again its activations' memory at every batch, so the learner's allocator is
-    held to the rest (the learner, not vLLM, runs out of memory). Default: half the free memory (the rest is for
-    training's activations and optimizer state)."""
-    share = requested if requested is not None else int(50 * free_bytes / total_bytes) / 100
-    if share * total_bytes > free_bytes - 2**30 or (requested is None and share * total_bytes < 2**30):
-        fail("vllm_gpu_memory_utilization", f"GPU {gpu}, shared with training, has {free_bytes / 2**30:.1f} of "
-                                            f"{total_bytes / 2**30:.1f} GiB free, too little for vLLM to take "
-                                            f"{share:.2f} of it (give vLLM a GPU of its own with --vllm-gpu)")
-    return share, 1 - share - 2**30 / total_bytes
-
-
-def start_vllm(args, model_path, weight_transfer=False):
-    """A vLLM engine for `model_path` in its own process (vLLM's default) on its own device: CUDA_VISIBLE_DEVICES (GPU)
-    or VLLM_CPU_OMP_THREADS_BIND (CPU cores), which the engine process reads, are set only while it starts. With
-    `weight_transfer` it takes weights in memory (weight_transfer()): NCCL on a GPU of its own, CUDA IPC on one it
-    shares (on a CPU: vLLM's "nccl" engine, provided only by the tests' plugin tests/cpu_weight_transfer)."""
-    from vllm import LLM
-
-    # Log-probabilities returned with samples are those of the distribution sampled from (after temperature).
-    engine_args = dict(model=model_path, dtype="bfloat16" if args.bf16 else "float32", seed=args.seed,
-                       max_model_len=args.max_prompt_length + args.response_length, logprobs_mode="processed_logprobs",
-                       enforce_eager=args.vllm_enforce_eager, trust_remote_code=args.trust_remote_code)
-    if torch.cuda.is_available():
-        import pynvml  # counts the node's GPUs, also those the deepspeed launcher hid from this process
-
-        pynvml.nvmlInit()
-        gpu, shared = vllm_gpu_placement(os.environ, pynvml.nvmlDeviceGetCount(), args.vllm_gpu)
-        share = 0.9 if args.vllm_gpu_memory_utilization is None else args.vllm_gpu_memory_utilization
-        if shared is not None:
-            torch.cuda.empty_cache()  # blocks the learner's allocator holds but does not use are free for vLLM
-            share, learner = vllm_memory_share(args.vllm_gpu_memory_utilization, *torch.cuda.mem_get_info(shared), gpu)
-            torch.cuda.set_per_process_memory_fraction(learner, shared)
-            print(f"vLLM shares GPU {gpu} with training and takes {share:.2f} of its memory "
-                  "(--vllm-gpu-memory-utilization); it has no GPU of its own", flush=True)
-        else:
-            print(f"vLLM runs on GPU {gpu}, a GPU of its own (its engine's CUDA_VISIBLE_DEVICES)", flush=True)
-        env = {"CUDA_VISIBLE_DEVICES": gpu}
-        engine_args["gpu_memory_utilization"] = share
-    else:
-        cores = sorted(os.sched_getaffinity(0))[-args.vllm_cpu_cores:]
-        env = {"VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, cores))}
-        # vLLM on CPU would reserve most of the memory for its KV cache: bound it by one batch's keys and values.
-        config = AutoConfig.from_pretrained(model_path, trust_remote_code=args.trust_remote_code)
-        per_token = 2 * config.num_hidden_layers * config.hidden_size * (2 if args.bf16 else 4)
-        engine_args["kv_cache_memory_bytes"] = max(2 * per_token * args.batch_size * engine_args["max_model_len"],
-                                                   64 * 2**20)
-        # A prefill split over steps makes vLLM rewind its seeded sampler, which torch's CPU generator cannot do.
-        engine_args["enable_chunked_prefill"] = False
-        shared = None
-    if weight_transfer:
-        engine_args["weight_transfer_config"] = {"backend": "nccl" if shared is None else "ipc"}
-        if shared is not None:
-            allow_pickled_rpc(os.environ)
-    with unittest.mock.patch.dict(os.environ, env):  # set while the engine starts, restored after
-        return LLM(**engine_args)
-
-
-def allow_pickled_rpc(environ):
-    """Let vLLM's RPC carry the CUDA IPC hand-off: its update names each buffer's CUDA handle with torch classes and a
-    dtype, which vLLM's msgpack encoder sends (pickled, over its local sockets between this process and its engine's)
-    only with VLLM_ALLOW_INSECURE_SERIALIZATION=1, read here at each call and by the engine's processes when they
-    start. Set for the run's whole life, before the engine starts."""
-    environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
-
-
-def vllm_generate(llm, prompts, k, response_length, stop_token_id, temperature, seed):
-    """k responses to each prompt (sample j of prompt i at j * len(prompts) + i) and the log-probability of each token
-    under the weights that sampled it (the behaviour policy), at the sampling temperature. Request i gets seed + i, so a
-    batch depends on the weights and seed only, not on what vLLM generated before (which keeps reruns and resumed runs
-    exact). Temperature 0 is greedy. As in generate(), only the stop token ends a response (and is kept)."""
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    requests = [TokensPrompt(prompt_token_ids=prompt) for _ in range(k) for prompt in prompts]
-    sampling = [SamplingParams(temperature=temperature, top_k=0, top_p=1.0, max_tokens=response_length,
-                               ignore_eos=True, stop_token_ids=[stop_token_id], seed=seed + i, logprobs=0,
-                               detokenize=False)  # token ids are all we use: no text decoded in this process
-                for i in range(len(requests))]
-    outputs = [output.outputs[0] for output in llm.generate(requests, sampling, use_tqdm=False)]
-    return ([list(out.token_ids) for out in outputs],
-            [[step[token].logprob for token, step in zip(out.token_ids, out.logprobs)] for out in outputs])
-
-
-def tied_output_names(module):
-    """The names under which a model whose output layer is its input embedding (`tie_word_embeddings`: SmolLM2,
-    Qwen2.5 up to 3B, Llama 3.2, Gemma) holds that weight a second time, such as ["lm_head.weight"]; else []."""
-    embedding = module.get_input_embeddings().weight
-    names = [name for name, p in module.named_parameters(remove_duplicate=False) if p is embedding]
-    return names[1:]
-
-
-def write_for_vllm(module, state_dict, path):
-    """save_pretrained for vLLM: a tied output layer is written as a weight of its own, under a config that unties
-    it. vLLM 0.32 ties such a layer to its embedding when it first loads, and its reloads (both hand-offs) skip it
-    (`lm_head.*`): vLLM would go on sampling with the first weights' output layer. Untied, vLLM's copy costs one
-    more embedding matrix of memory and of every hand-off; the learner's model stays tied."""
-    tied = tied_output_names(module)
-    if tied:
-        embedding = state_dict[next(n for n, p in module.named_parameters() if p is module.get_input_embeddings().weight)]
-        state_dict = {**state_dict, **{name: embedding.clone() for name in tied}}
-    config = module.config.get_text_config()
-    saved = config.tie_word_embeddings
-    config.tie_word_embeddings = saved and not tied
-    try:
-        module.save_pretrained(path, state_dict=state_dict)
-    finally:
-        config.tie_word_embeddings = saved
-
-
-def load_into_vllm(llm, weights_path):
-    """Replace the engine's weights by a save_pretrained directory's (vLLM's in-place reload, in its worker process) and
-    empty the prefix cache: keyed by token ids, not weights, it would serve keys and values of the old weights."""
-    llm.collective_rpc("reload_weights", kwargs={"weights_path": weights_path})
-    llm.reset_prefix_cache()
-
-
-def shut_down(llm):
-    """Stop vLLM's engine processes (LLM has no public call for it)."""
-    llm.llm_engine.engine_core.shutdown(timeout=30)
-
-
-def truncate_response(responses, stop_token_id, pad_token_id):
-    """Replace everything after the first stop token (which stays), and from the first pad token, by padding."""
-    is_stop = responses == stop_token_id
-    after_stop = (is_stop.cumsum(1) - is_stop.long()) > 0
-    from_pad = (responses == pad_token_id).cumsum(1) > 0
-    return responses.masked_fill(after_stop | from_pad, pad_token_id)
-
-
-def forward(model, query_responses, pad_token_id):
-    """Run a model on left-padded queries followed by right-padded responses; padded positions are masked and read
-    token 0 (the pad id may lie outside the model's vocabulary, see load_tokenizer)."""
-    attention_mask = query_responses != pad_token_id
-    position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
-    return model(input_ids=query_responses.masked_fill(~attention_mask, 0), attention_mask=attention_mask,
-                 position_ids=position_ids, use_cache=False)
-
-
-def response_logprobs(logits, responses, context_length, temperature):
-    """Log-probabilities of the response tokens under logits divided by the sampling temperature. Padding gets a
-    number that callers mask: its id may lie past the vocabulary (load_tokenizer), so it reads the last row."""
-    logits = logits[:, context_length - 1: -1].float() / temperature
-    tokens = responses.clamp(max=logits.shape[-1] - 1)
-    return torch.log_softmax(logits, dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
-
-
-def last_number_reward(response, answer):
-    """GSM8K's rule: 1.0 when the last number in the response equals the last number of the answer (of the
-    text after `####` in GSM8K's answer column), else 0.0; commas in numbers are ignored."""
-    numbers = [re.findall(r"-?\d[\d,]*(?:\.\d+)?", text) for text in (response, answer.split("####")[-1])]
-    if not numbers[0] or not numbers[1]:
-        return 0.0
-    return float(float(numbers[0][-1].replace(",", "")) == float(numbers[1][-1].replace(",", "")))
-
-
-RULE_REWARDS = {"last_number": last_number_reward}  # the rules --rule-reward names; add yours here
-
-
-@torch.no_grad()
-def reward_scores(model, query_responses, pad_token_id):
-    """One score per sequence: the classifier's head (`score`) on the hidden state of its last non-pad token, found
-    here rather than by the model, which would look for its config's pad id (EOS, for many tokenizers)."""
-    module = getattr(model, "module", model)  # a DeepSpeed engine's model
-    hidden = forward(getattr(module, module.base_model_prefix), query_responses, pad_token_id).last_hidden_state
-    positions = torch.arange(query_responses.shape[1], device=query_responses.device)
-    last = ((query_responses != pad_token_id) * positions).argmax(1)
-    return module.score(hidden[torch.arange(len(hidden), device=hidden.device), last]).squeeze(-1).float()
-
-
-def load_model(args, path, reward=False):
-    """A causal LM or, with `reward`, a one-label sequence classifier (None without a path), with dropout off (it would
-    make the log-probabilities of the same tokens disagree) and its own vocabulary (see load_tokenizer)."""
-    if path is None:
-        return None
-    dtype_and_code = dict(dtype=torch.bfloat16 if args.bf16 else torch.float32, trust_remote_code=args.trust_remote_code)
-    if reward:
-        model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, **dtype_and_code)
-    else:
-        model = AutoModelForCausalLM.from_pretrained(path, **dtype_and_code)
-    for module in model.modules():
-        if isinstance(module, torch.nn.Dropout):
-            module.p = 0.0
-        if isinstance(getattr(module, "attention_dropout", None), float):  # the attention's own, in training mode
-            module.attention_dropout = 0.0
-    return model
 
 
 if __name__ == "__main__":

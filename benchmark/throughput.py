@@ -143,6 +143,7 @@ def generation_seconds(workload, dtype, repeats=5):
     """Seconds per batch of HF `generate` and of the scripts' `generate` (same tokens), best of `repeats`,
     on the workload's policy and one batch of its prompts."""
     sys.path.insert(0, ROOT)
+    import data
     import rloo  # every script has the same `generate`
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -151,7 +152,7 @@ def generation_seconds(workload, dtype, repeats=5):
     with open(f"{workload}/data/train.jsonl") as f:
         prompts = [json.loads(line)["query"] for line in f][:PROMPTS]
     pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id
-    queries = rloo.left_pad(tokenizer(prompts)["input_ids"], pad, "cpu").repeat(COMPLETIONS, 1)
+    queries = data.left_pad(tokenizer(prompts)["input_ids"], pad, "cpu").repeat(COMPLETIONS, 1)
     ways = {
         "HF generate": lambda: model.generate(input_ids=queries, attention_mask=queries != pad, do_sample=True,
                                               temperature=TEMPERATURE, top_k=0, top_p=1.0, max_new_tokens=NEW_TOKENS,

@@ -39,6 +39,8 @@ import torch  # noqa: E402
 from transformers import AutoTokenizer, GPTNeoXConfig, GPTNeoXForCausalLM  # noqa: E402
 
 import online_dpo_vllm as script  # noqa: E402
+import vllm_engine  # noqa: E402
+import weight_handoff  # noqa: E402
 
 TOKENIZER = os.path.join(ROOT, "assets", "tiny", "sft")
 # (hidden size, layers, attention heads, vocabulary): the tiny task's vocabulary at 3 M, Pythia's shapes above.
@@ -86,11 +88,11 @@ def measure(size, bf16, repeats, tokenizer):
         args = script.Args(bf16=bf16, vllm_enforce_eager=True, max_prompt_length=32, response_length=8)
         args.batch_size, args.world_size = 2, 1
         started = time.perf_counter()
-        llm = script.start_vllm(args, os.path.join(work, "v0"), weight_transfer=True)
+        llm = vllm_engine.start_vllm(args, os.path.join(work, "v0"), weight_transfer=True)
         start_seconds = time.perf_counter() - started
         shutil.rmtree(os.path.join(work, "v0"))  # as the scripts do: at 1 B in float32 memory is short
         try:
-            transfer = script.weight_transfer(args, llm, model, rank=0)
+            transfer = weight_handoff.weight_transfer(args, llm, model, rank=0)
             file_learner, file_generator, memory_learner, memory_total, file_gap, memory_gap = [], [], [], [], [], []
             # All file hand-offs first: the directory in /dev/shm and vLLM's kept receive buffers (a copy of the
             # model each) are never in memory together, which 1 B parameters in float32 need on 24 GB.
@@ -100,7 +102,7 @@ def measure(size, bf16, repeats, tokenizer):
                 t0 = time.perf_counter()
                 model.save_pretrained(path)
                 t1 = time.perf_counter()
-                script.load_into_vllm(llm, path)
+                vllm_engine.load_into_vllm(llm, path)
                 t2 = time.perf_counter()
                 shutil.rmtree(path)
                 file_learner.append(t1 - t0)
@@ -116,7 +118,7 @@ def measure(size, bf16, repeats, tokenizer):
                 memory_total.append(time.perf_counter() - t0)
                 memory_gap.append(vllm_gap(llm, model))
         finally:
-            script.shut_down(llm)
+            vllm_engine.shut_down(llm)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     median = statistics.median

@@ -12,6 +12,7 @@ import torch
 from conftest import ROOT, TINY, assert_finite, read_metrics, run_dir_of, run_script
 from transformers import AutoTokenizer
 
+import data
 import rloo
 
 MATH = os.path.join(ROOT, "assets", "tiny_math")
@@ -54,7 +55,7 @@ def _prompt_args(dataset, rule_reward=None):
 
 
 def test_chat_prompts_are_rendered_with_the_chat_template_and_query_prompts_are_unchanged(tmp_path):
-    tokenizer = rloo.load_tokenizer(os.path.join(TINY, "sft"), False)
+    tokenizer = data.load_tokenizer(os.path.join(TINY, "sft"), False)
     with open(os.path.join(TINY, "data", "test.jsonl")) as f:
         queries = [json.loads(line)["query"] for line in f][:8]
     chat = tmp_path / "chat"
@@ -66,12 +67,12 @@ def test_chat_prompts_are_rendered_with_the_chat_template_and_query_prompts_are_
                 if i % 2:  # a conversation that ends in its reference reply (as No Robots'): the reply is dropped
                     messages.append({"role": "assistant", "content": "food"})
                 f.write(json.dumps({"messages": messages}) + "\n")
-    train, test, train_answers, _ = rloo.load_prompts(_prompt_args(chat), tokenizer)
+    train, test, train_answers, _ = data.load_prompts(_prompt_args(chat), tokenizer)
     assert train == test and train_answers == [None] * 8
     assert [tokenizer.decode(ids) for ids in test] == [f"USER: {query}\nASSISTANT:" for query in queries]
-    _, plain, _, _ = rloo.load_prompts(_prompt_args(os.path.join(TINY, "data")), tokenizer)
+    _, plain, _, _ = data.load_prompts(_prompt_args(os.path.join(TINY, "data")), tokenizer)
     assert plain[:8] == [tokenizer.encode(q, add_special_tokens=False)[-64:] for q in queries]
-    _, shipped, _, _ = rloo.load_prompts(_prompt_args(os.path.join(TINY, "chat_data")), tokenizer)
+    _, shipped, _, _ = data.load_prompts(_prompt_args(os.path.join(TINY, "chat_data")), tokenizer)
     assert len(shipped) == 200 and [tokenizer.decode(ids) for ids in shipped[:8]] == [
         f"USER: {query}\nASSISTANT:" for query in queries]
 
@@ -221,14 +222,14 @@ def test_async_benchmark_averages_seeds_and_times_the_first_evaluation_at_the_sy
 def test_evaluate_reads_chat_data_as_the_scripts_do_with_the_final_reply_as_reference():
     import evaluate
 
-    tokenizer = rloo.load_tokenizer(os.path.join(TINY, "sft"), False)
+    tokenizer = data.load_tokenizer(os.path.join(TINY, "sft"), False)
     stop = tokenizer.eos_token_id
     args = types.SimpleNamespace(dataset_name=os.path.join(TINY, "chat_data"), dataset_eval_split="test",
                                  rule_reward=None, answer_column="answer", reference_column="reference_response",
                                  num_eval_prompts=16, max_prompt_length=64, response_length=16,
                                  sft_model_path=os.path.join(TINY, "sft"))
     prompts, references = evaluate.load_eval_data(args, tokenizer, stop)
-    _, scripts_prompts, _, _ = rloo.load_prompts(_prompt_args(os.path.join(TINY, "chat_data")), tokenizer)
+    _, scripts_prompts, _, _ = data.load_prompts(_prompt_args(os.path.join(TINY, "chat_data")), tokenizer)
     assert prompts == scripts_prompts[:16]
     with open(os.path.join(TINY, "chat_data", "test.jsonl")) as f:
         replies = [json.loads(line)["messages"][-1]["content"] for line in f][:16]

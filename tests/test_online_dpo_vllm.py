@@ -18,7 +18,10 @@ from conftest import CPU_WEIGHT_TRANSFER, ROOT, TINY, read_metrics, run_dir_of
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 from vllm.inputs import TokensPrompt
 
+import data
 import online_dpo_vllm as script
+import vllm_engine
+import weight_handoff
 
 pytestmark = pytest.mark.slow  # runs scripts or vLLM engines: minutes
 
@@ -47,12 +50,12 @@ def _truncated(responses, tokenizer):
 
 def _greedy_hf(model, prompts, tokenizer, length):
     pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id
-    return _truncated(script.generate(model, script.left_pad(prompts, pad, "cpu"), pad, eos, length), tokenizer)
+    return _truncated(script.generate(model, data.left_pad(prompts, pad, "cpu"), pad, eos, length), tokenizer)
 
 
 def _greedy_vllm(llm, prompts, tokenizer, length):
     responses = script.vllm_generate(llm, prompts, 1, length, tokenizer.eos_token_id, temperature=0, seed=0)[0]
-    return _truncated(script.right_pad(responses, tokenizer.pad_token_id, "cpu"), tokenizer)
+    return _truncated(data.right_pad(responses, tokenizer.pad_token_id, "cpu"), tokenizer)
 
 
 def _logprobs_vllm(llm, prompts, length):
@@ -101,7 +104,7 @@ def test_after_a_weight_push_vllm_greedy_equals_hf_greedy(tmp_path, monkeypatch,
     monkeypatch.setattr(vllm, "LLM", functools.partial(vllm.LLM, block_size=32))
     args = script.Args(bf16=False, response_length=12, batch_size=8, vllm_enforce_eager=True)
     args.world_size = 1
-    llm = script.start_vllm(args, str(tmp_path / "v0"), weight_transfer=True)
+    llm = vllm_engine.start_vllm(args, str(tmp_path / "v0"), weight_transfer=True)
     try:
         if kind == "gpt_neox":  # the same seed gives the same batch whatever vLLM ran before; another seed another
             first = script.vllm_generate(llm, prompts, 2, 12, tokenizer.eos_token_id, temperature=0.7, seed=5)
@@ -113,8 +116,8 @@ def test_after_a_weight_push_vllm_greedy_equals_hf_greedy(tmp_path, monkeypatch,
         assert before == _greedy_hf(model, prompts, tokenizer, 12)
         # Train the HF model a little (it learns to answer "beach plane"), then hand the weights over in memory.
         _train(model, prompts, tokenizer, " beach plane")
-        transfer = script.weight_transfer(args, llm, model, rank=0)
-        script.hand_over_weights(model, 1, transfer=transfer, generator=None, weights_dir=None)
+        transfer = weight_handoff.weight_transfer(args, llm, model, rank=0)
+        weight_handoff.hand_over_weights(model, 1, transfer=transfer, generator=None, weights_dir=None)
         transfer.finish()  # the generator's part: vLLM's worker has loaded the weights, the update is finished
         after = _greedy_vllm(llm, prompts, tokenizer, 12)
         after_logprobs = _logprobs_vllm(llm, prompts, 4)
@@ -125,10 +128,10 @@ def test_after_a_weight_push_vllm_greedy_equals_hf_greedy(tmp_path, monkeypatch,
         after_model = copy.deepcopy(model)
         _train(model, prompts, tokenizer, " code router")
         model.save_pretrained(tmp_path / "v2")
-        script.load_into_vllm(llm, str(tmp_path / "v2"))
+        vllm_engine.load_into_vllm(llm, str(tmp_path / "v2"))
         assert _greedy_vllm(llm, prompts, tokenizer, 12) == _greedy_hf(model, prompts, tokenizer, 12) != after
     finally:
-        script.shut_down(llm)
+        vllm_engine.shut_down(llm)
     model = after_model
     # ... with the new weights' probabilities: no key or value of the shared block survives from the old weights.
     expected = _logprobs_hf(model, prompts, after_logprobs)
@@ -154,27 +157,27 @@ def test_an_engine_killed_during_an_in_memory_push_ends_it_within_seconds(tmp_pa
     model = AutoModelForCausalLM.from_pretrained(os.path.join(TINY, "sft"))
     args = script.Args(bf16=False, response_length=12, batch_size=8, vllm_enforce_eager=True)
     args.world_size = 1
-    llm = script.start_vllm(args, os.path.join(TINY, "sft"), weight_transfer=True)
+    llm = vllm_engine.start_vllm(args, os.path.join(TINY, "sft"), weight_transfer=True)
     (engine,) = [p for p in psutil.Process().children(recursive=True)
                  if p.cmdline() and p.cmdline()[0].startswith("VLLM::EngineCore")]
 
-    class KillingWeights(script.PolicyWeights):  # the engine dies after the first tensors have gone
+    class KillingWeights(weight_handoff.PolicyWeights):  # the engine dies after the first tensors have gone
         def __iter__(self):
             for i, item in enumerate(super().__iter__()):
                 if i == 3:
                     engine.send_signal(signal.SIGKILL)
                 yield item
 
-    transfer = script.weight_transfer(args, llm, model, rank=0)
+    transfer = weight_handoff.weight_transfer(args, llm, model, rank=0)
     transfer.source = KillingWeights(model)
     start = time.time()
     try:
         # The learner's side fails if the bytes cannot go; else the generator's, finishing the update, does.
         with pytest.raises(RuntimeError, match="handing version 1 of the policy to vLLM failed|engine process died"):
-            script.hand_over_weights(model, 1, transfer=transfer, generator=None, weights_dir=None)
+            weight_handoff.hand_over_weights(model, 1, transfer=transfer, generator=None, weights_dir=None)
             transfer.finish()
     finally:
-        script.shut_down(llm)
+        vllm_engine.shut_down(llm)
     assert time.time() - start < 30
 
 
@@ -184,7 +187,10 @@ HUNG_PUSH = """
 import atexit, os, signal, sys
 import psutil
 from transformers import AutoTokenizer, GPTNeoXConfig, GPTNeoXForCausalLM
+import data
 import online_dpo_vllm as script
+import vllm_engine
+import weight_handoff
 
 tokenizer = AutoTokenizer.from_pretrained(sys.argv[2])
 model = GPTNeoXForCausalLM(GPTNeoXConfig(vocab_size=len(tokenizer), hidden_size=512, intermediate_size=2048,
@@ -194,13 +200,13 @@ tokenizer.save_pretrained(sys.argv[1])
 args = script.Args(bf16=False, response_length=12, batch_size=8, vllm_enforce_eager=True,
                    generation_timeout=5 if sys.argv[3] == "stop" else 60)
 args.world_size = 1
-llm = script.start_vllm(args, sys.argv[1], weight_transfer=True)
+llm = vllm_engine.start_vllm(args, sys.argv[1], weight_transfer=True)
 atexit.register(llm.llm_engine.engine_core.shutdown)  # (the scripts' generator.close waits up to 30 s)
 (worker,) = [p for p in psutil.Process().children(recursive=True) if p.cmdline()[:1] == ["VLLM::Worker"]]
-transfer = script.weight_transfer(args, llm, model, 0)
+transfer = weight_handoff.weight_transfer(args, llm, model, 0)
 
 
-class StoppingWeights(script.PolicyWeights):  # vLLM's worker stops once the push has begun
+class StoppingWeights(weight_handoff.PolicyWeights):  # vLLM's worker stops once the push has begun
     def __iter__(self):
         for i, item in enumerate(super().__iter__()):
             if i == 3:
@@ -208,7 +214,7 @@ class StoppingWeights(script.PolicyWeights):  # vLLM's worker stops once the pus
             yield item
 
 
-class RaisingWeights(script.PolicyWeights):  # the learner's end fails once the push has begun
+class RaisingWeights(weight_handoff.PolicyWeights):  # the learner's end fails once the push has begun
     def __iter__(self):
         for i, item in enumerate(super().__iter__()):
             if i == 3:
@@ -225,7 +231,7 @@ else:  # vLLM's worker may not take more memory than it has now: it cannot alloc
     worker.rlimit(psutil.RLIMIT_AS, (limit, limit))
 print("pushing", flush=True)
 try:
-    script.hand_over_weights(model, 1, transfer=transfer, generator=None, weights_dir=None)
+    weight_handoff.hand_over_weights(model, 1, transfer=transfer, generator=None, weights_dir=None)
 except RuntimeError as error:
     print("raised:", error, flush=True)
     raise

@@ -1,5 +1,5 @@
-"""The plumbing that every script shares (a copy in each, kept identical by test_shared_helpers.py), tested
-once here: truncation, log-probabilities, the missing-EOS penalty, prompt batches, the decoding loop against HF
+"""The machinery every script imports (checks, data, distributed, checkpoints, vllm_engine, weight_handoff,
+generator) and the RLHF details every script holds (kept identical by test_layout.py), tested once here: truncation, log-probabilities, the missing-EOS penalty, prompt batches, the decoding loop against HF
 `generate`, and what a GPU run depends on, through the same logic on the CPU: process-group backends, vLLM's
 GPU and memory share, the weight hand-off's memory, bf16 and the DeepSpeed configs. (The prefix-cache reset
 is in test_online_dpo_vllm.py, the gold model's other tokenizer in test_evaluate.py; what no CPU can check
@@ -27,10 +27,24 @@ from conftest import ROOT, TINY
 from deepspeed.runtime.config import DeepSpeedConfig
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
+import checkpoints
+import checks
+import data
+import distributed
+import generator
 import online_dpo_vllm
 import rloo
+import vllm_engine
+import weight_handoff
 
 STOP, PAD = 0, 1
+
+
+def trained_engine(args, model):
+    """A DeepSpeed engine that trains `model`, set up as the scripts' main() sets up the policy's."""
+    config = distributed.ds_config(args, train=True)
+    optimizer = distributed.adam_class(config)(model.parameters(), lr=args.learning_rate, eps=1e-5, weight_decay=0.0)
+    return deepspeed.initialize(model=model, optimizer=optimizer, config=config)[0]
 
 
 def test_truncate_response_pads_after_the_first_stop_token_and_from_the_first_pad():
@@ -74,13 +88,13 @@ def test_masked_mean_ignores_padding():
 def test_prompt_batches_cover_an_epoch_without_repeats_and_split_between_ranks():
     seen = []
     for update in range(3):  # 3 batches of 2 ranks x 2 prompts = 12 of 13 prompts
-        shares = [rloo.prompt_batch(13, 2, update, seed=7, rank=r, world_size=2) for r in range(2)]
+        shares = [data.prompt_batch(13, 2, update, seed=7, rank=r, world_size=2) for r in range(2)]
         assert all(len(s) == 2 for s in shares)
         seen += shares[0] + shares[1]
     assert len(set(seen)) == 12
-    next_epoch = rloo.prompt_batch(13, 2, 3, seed=7, rank=0, world_size=2)
-    assert next_epoch == rloo.prompt_batch(13, 2, 3, seed=7, rank=0, world_size=2)  # deterministic
-    assert rloo.prompt_batch(13, 2, 0, seed=8, rank=0, world_size=2) != rloo.prompt_batch(13, 2, 0, 7, 0, 2)
+    next_epoch = data.prompt_batch(13, 2, 3, seed=7, rank=0, world_size=2)
+    assert next_epoch == data.prompt_batch(13, 2, 3, seed=7, rank=0, world_size=2)  # deterministic
+    assert data.prompt_batch(13, 2, 0, seed=8, rank=0, world_size=2) != data.prompt_batch(13, 2, 0, 7, 0, 2)
 
 
 def test_missing_eos_penalty_is_added_only_without_a_stop_token():
@@ -100,12 +114,12 @@ def test_missing_eos_penalty_adds_or_replaces():
 
 def tiny_policy():
     """The tiny task's SFT policy (GPT-NeoX) on 8 real prompts of different lengths; it stops at EOS."""
-    tokenizer = rloo.load_tokenizer(os.path.join(TINY, "sft"), trust_remote_code=False)
+    tokenizer = data.load_tokenizer(os.path.join(TINY, "sft"), trust_remote_code=False)
     model = AutoModelForCausalLM.from_pretrained(os.path.join(TINY, "sft")).eval()
     with open(os.path.join(TINY, "data", "test.jsonl")) as f:
         prompts = [json.loads(line)["query"] for line in f][:8]
     ids = [tokenizer(p, add_special_tokens=False)["input_ids"][-10 - i:] for i, p in enumerate(prompts)]
-    return model, rloo.left_pad(ids, tokenizer.pad_token_id, "cpu"), tokenizer.pad_token_id, tokenizer.eos_token_id
+    return model, data.left_pad(ids, tokenizer.pad_token_id, "cpu"), tokenizer.pad_token_id, tokenizer.eos_token_id
 
 
 def random_llama():
@@ -163,13 +177,13 @@ def test_collectives_on_cpu_tensors_need_a_cpu_backend_beside_nccl(process_group
     # CUDA and none for the CPU, which fails on a CPU tensor exactly as NCCL does on a GPU machine.
     process_group("cuda:gloo")
     with pytest.raises(RuntimeError, match="No backend type associated with device type cpu"):
-        online_dpo_vllm.mean_over_ranks({"objective/scores": 1.5}, "cpu")
+        distributed.mean_over_ranks({"objective/scores": 1.5}, "cpu")
     # The scripts' backend on a GPU machine (gloo in NCCL's place, which this machine lacks) serves
     # both the collectives on the device and those on CPU objects (the run name, the vLLM batches).
-    assert online_dpo_vllm.process_group_backend(cuda=True) == "cpu:gloo,cuda:nccl"
-    assert online_dpo_vllm.process_group_backend(cuda=False) == "gloo"
-    process_group(online_dpo_vllm.process_group_backend(cuda=True).replace("nccl", "gloo"))
-    assert online_dpo_vllm.mean_over_ranks({"objective/scores": 1.5, "objective/kl": -2.0}, "cpu") == {
+    assert distributed.process_group_backend(cuda=True) == "cpu:gloo,cuda:nccl"
+    assert distributed.process_group_backend(cuda=False) == "gloo"
+    process_group(distributed.process_group_backend(cuda=True).replace("nccl", "gloo"))
+    assert distributed.mean_over_ranks({"objective/scores": 1.5, "objective/kl": -2.0}, "cpu") == {
         "objective/scores": 1.5, "objective/kl": -2.0}
     objects = [None]
     dist.broadcast_object_list(objects, src=0)
@@ -213,11 +227,11 @@ PLACEMENT = {
 @pytest.mark.parametrize("case", PLACEMENT)
 def test_vllm_gpu_placement_over_the_launch_cases(case):
     env, num_gpus, vllm_gpu, expected = PLACEMENT[case]
-    assert online_dpo_vllm.vllm_gpu_placement(env, num_gpus, vllm_gpu) == expected
+    assert vllm_engine.vllm_gpu_placement(env, num_gpus, vllm_gpu) == expected
     # CUDA_DEVICE_ORDER changes how CUDA numbers GPUs against NVML; the choice is in CUDA's own
     # entries and uses NVML only for the count, so it is the same under either order.
     for order in ("PCI_BUS_ID", "FASTEST_FIRST"):
-        assert online_dpo_vllm.vllm_gpu_placement({**env, "CUDA_DEVICE_ORDER": order}, num_gpus, vllm_gpu) == expected
+        assert vllm_engine.vllm_gpu_placement({**env, "CUDA_DEVICE_ORDER": order}, num_gpus, vllm_gpu) == expected
 
 
 def test_a_checkpoint_from_another_kind_of_device_resumes_without_its_generator_state(tmp_path, process_group):
@@ -230,7 +244,7 @@ def test_a_checkpoint_from_another_kind_of_device_resumes_without_its_generator_
                tmp_path / "training_state" / "rng_rank0.pt")
     (tmp_path / "trainer_state.json").write_text('{"update": 2, "episode": 64}')
     torch.manual_seed(0)
-    assert rloo.load_checkpoint(str(tmp_path), {}) == (2, 64)
+    assert checkpoints.load_checkpoint(str(tmp_path), {}) == (2, 64)
     assert torch.equal(torch.get_rng_state(), saved)
 
 
@@ -248,10 +262,10 @@ def test_every_rank_resumes_from_rank_0s_latest_checkpoint(tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    code = ("import sys, torch.distributed as dist, rloo\n"
+    code = ("import sys, torch.distributed as dist, checkpoints\n"
             "dist.init_process_group('gloo', init_method='tcp://127.0.0.1:' + sys.argv[1], rank=int(sys.argv[2]),"
             " world_size=2)\n"
-            "print(rloo.load_checkpoint(sys.argv[3], {}))")
+            "print(checkpoints.load_checkpoint(sys.argv[3], {}))")
     ranks = [subprocess.Popen([sys.executable, "-c", code, str(port), str(rank), str(tmp_path / f"checkpoint-{seen}")],
                               cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for rank, seen in ((0, 3), (1, 2))]  # rank 1's listing lags one checkpoint behind
@@ -263,7 +277,7 @@ def test_vllm_may_share_no_training_gpu_but_rank_0s(capsys):
     """Rank 0's process measures vLLM's memory, empties its allocator for vLLM and holds the learner to the rest: on
     another rank's GPU it would do none of that for the rank that trains there."""
     with pytest.raises(SystemExit) as exit:
-        online_dpo_vllm.vllm_gpu_placement({"CUDA_VISIBLE_DEVICES": "0,1,2", "LOCAL_SIZE": "3"}, 4, 1)
+        vllm_engine.vllm_gpu_placement({"CUDA_VISIBLE_DEVICES": "0,1,2", "LOCAL_SIZE": "3"}, 4, 1)
     assert exit.value.code == 2
     assert capsys.readouterr().err == "error: --vllm-gpu: GPU 1 is training rank 1's: vLLM may share rank 0's only\n"
 
@@ -271,12 +285,12 @@ def test_vllm_may_share_no_training_gpu_but_rank_0s(capsys):
 def test_vllm_memory_share_on_a_gpu_shared_with_training(capsys):
     gib = 2**30
     # half of what is free, rounded down; the learner's allocator is held to the rest but vLLM's CUDA context
-    assert online_dpo_vllm.vllm_memory_share(None, 60 * gib, 80 * gib, "0") == (0.37, 1 - 0.37 - 1 / 80)
-    assert online_dpo_vllm.vllm_memory_share(0.5, 60 * gib, 80 * gib, "0") == (0.5, 1 - 0.5 - 1 / 80)  # a share that fits
+    assert vllm_engine.vllm_memory_share(None, 60 * gib, 80 * gib, "0") == (0.37, 1 - 0.37 - 1 / 80)
+    assert vllm_engine.vllm_memory_share(0.5, 60 * gib, 80 * gib, "0") == (0.5, 1 - 0.5 - 1 / 80)  # a share that fits
     # vLLM would refuse to start (it measures once its CUDA context, about 0.5 GiB, is made); we stop first
     for requested, free in ((0.9, 60 * gib), (0.74, 60 * gib), (None, 1.5 * gib)):
         with pytest.raises(SystemExit) as exit:
-            online_dpo_vllm.vllm_memory_share(requested, free, 80 * gib, "0")
+            vllm_engine.vllm_memory_share(requested, free, 80 * gib, "0")
         assert exit.value.code == 2
         (line,) = capsys.readouterr().err.splitlines()
         assert line.startswith("error: --vllm-gpu-memory-utilization: GPU 0, shared with training, has")
@@ -299,7 +313,7 @@ def test_an_asynchronous_run_binds_every_thread_of_vllms_processes_to_vllms_core
 
     def as_generator(sync):
         affinity = []
-        caller = threading.Thread(target=lambda: (online_dpo_vllm.pin_vllm_to_its_cores(
+        caller = threading.Thread(target=lambda: (vllm_engine.pin_vllm_to_its_cores(
             SimpleNamespace(sync=sync, vllm_cpu_cores=1)), affinity.append(os.sched_getaffinity(0))))
         caller.start()
         caller.join()
@@ -323,12 +337,12 @@ def test_an_asynchronous_run_binds_every_thread_of_vllms_processes_to_vllms_core
 def test_handed_over_weights_fall_back_to_the_run_directory_when_memory_is_short(tmp_path, capsys):
     shm, run_dir = tmp_path / "shm", str(tmp_path / "run")
     shm.mkdir()
-    assert online_dpo_vllm.weights_root(run_dir, 10 * 2**20, shm=str(shm)) == str(shm)
+    assert weight_handoff.weights_root(run_dir, 10 * 2**20, shm=str(shm)) == str(shm)
     assert capsys.readouterr().err == ""
-    assert online_dpo_vllm.weights_root(run_dir, 2**62, shm=str(shm)) == run_dir  # more than any disk holds
+    assert weight_handoff.weights_root(run_dir, 2**62, shm=str(shm)) == run_dir  # more than any disk holds
     (line,) = capsys.readouterr().err.splitlines()
     assert line.startswith(f"warning: {shm} has no room for") and run_dir in line
-    assert online_dpo_vllm.weights_root(run_dir, 1, shm=str(tmp_path / "none")) == run_dir  # no /dev/shm at all
+    assert weight_handoff.weights_root(run_dir, 1, shm=str(tmp_path / "none")) == run_dir  # no /dev/shm at all
 
 
 def test_zero3_weights_are_gathered_one_module_at_a_time(process_group, tmp_path, monkeypatch):
@@ -340,7 +354,7 @@ def test_zero3_weights_are_gathered_one_module_at_a_time(process_group, tmp_path
     expected = {name: tensor.clone() for name, tensor in model.state_dict().items()}
     largest_module = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules())
     total = sum(p.numel() for p in model.parameters())
-    engine = deepspeed.initialize(model=model, config=online_dpo_vllm.ds_config(args, train=False))[0]
+    engine = deepspeed.initialize(model=model, config=distributed.ds_config(args, train=False))[0]
     assert all(p.numel() == 0 for p in engine.module.parameters())  # partitioned: nothing is whole
     gathered, original = [], deepspeed.zero.GatheredParameters
 
@@ -349,13 +363,13 @@ def test_zero3_weights_are_gathered_one_module_at_a_time(process_group, tmp_path
         return original(params, *a, **k)
 
     monkeypatch.setattr(deepspeed.zero, "GatheredParameters", recording)
-    state = online_dpo_vllm.gathered_state_dict(engine)  # the file hand-off and checkpoints
+    state = distributed.gathered_state_dict(engine)  # the file hand-off and checkpoints
     assert state.keys() == expected.keys()
     assert all(torch.equal(state[name], expected[name]) for name in expected)
     assert max(gathered) == largest_module < total / 3  # the embeddings, never the whole model
     # The in-memory hand-off streams the parameters the same way, declaring their full shapes first.
     gathered.clear()
-    weights = online_dpo_vllm.PolicyWeights(engine.module)
+    weights = weight_handoff.PolicyWeights(engine.module)
     parameters = dict(model.named_parameters())
     assert [(m.name, m.shape) for m in weights.metadata()] == [(n, tuple(p.ds_shape)) for n, p in parameters.items()]
     streamed = dict(iter(weights))
@@ -373,7 +387,7 @@ def test_gradient_checkpointing_recomputes_in_training_and_generates_with_the_kv
     process_group("gloo")
     plain, queries, pad, stop = tiny_policy()
     args = rloo.Args(gradient_checkpointing=True, bf16=False, num_updates=1)
-    engine = rloo.training_engine(args, rloo.load_model(args, os.path.join(TINY, "sft")))
+    engine = trained_engine(args, data.load_model(args, os.path.join(TINY, "sft"), trained=True))
     runs = []
     engine.module.gpt_neox.layers[0].register_forward_pre_hook(lambda *_: runs.append(1))  # each time the layer runs
     responses, n = rloo.generate(plain, queries, pad, stop, 8), queries.shape[1]  # greedy
@@ -384,7 +398,7 @@ def test_gradient_checkpointing_recomputes_in_training_and_generates_with_the_kv
     with torch.no_grad():
         theirs = rloo.response_logprobs(rloo.forward(plain, ids, pad).logits, responses, n, 1.0)
     assert torch.allclose(ours, theirs, atol=1e-6)
-    with rloo.unwrapped_for_generation(engine) as model:
+    with distributed.unwrapped_for_generation(engine) as model:
         assert torch.equal(rloo.generate(model, queries, pad, stop, 8), responses)
     assert engine.module.training  # training mode again after generating
 
@@ -397,7 +411,7 @@ def test_loaded_models_have_no_dropout_even_in_training_mode(tmp_path):
     config = LlamaConfig(vocab_size=12, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
                          attention_dropout=0.5)
     LlamaForCausalLM(config).save_pretrained(tmp_path)
-    model = rloo.load_model(rloo.Args(bf16=False), str(tmp_path)).train()
+    model = data.load_model(rloo.Args(bf16=False), str(tmp_path)).train()
     ids = torch.randint(0, 12, (4, 9))
     assert torch.equal(model(input_ids=ids).logits, model(input_ids=ids).logits)
 
@@ -416,11 +430,11 @@ def test_ppos_value_model_accumulates_every_micro_batch_under_zero3(process_grou
         (tmp_path / f"zero{stage}.json").write_text(json.dumps({"zero_optimization": {"stage": stage}}))
         args = ppo.Args(deepspeed_config=str(tmp_path / f"zero{stage}.json"), bf16=False, num_updates=1,
                         per_device_train_batch_size=2, gradient_accumulation_steps=2, learning_rate=1e-3)
-        engine = ppo.training_engine(args, ppo.load_model(args, os.path.join(TINY, "reward"), reward=True))
+        engine = trained_engine(args, data.load_model(args, os.path.join(TINY, "reward"), reward=True))
         for micro_batch in (ids[:2], ids[2:]):
             engine.backward(ppo.value_forward(engine, micro_batch, 1, 6).pow(2).mean())
             engine.step()
-        weights[stage] = ppo.gathered_state_dict(engine)
+        weights[stage] = distributed.gathered_state_dict(engine)
     assert max((weights[3][name] - weights[2][name]).abs().max().item() for name in weights[2]) < 1e-6
 
 def test_each_rank_takes_the_device_of_its_local_rank_under_every_launcher(process_group, monkeypatch):
@@ -431,7 +445,7 @@ def test_each_rank_takes_the_device_of_its_local_rank_under_every_launcher(proce
     accelerator, asked = rloo.get_accelerator(), []
     name = accelerator.device_name
     monkeypatch.setattr(accelerator, "device_name", lambda index=None: asked.append(index) or name(index))
-    rloo.set_up_distributed(rloo.Args(bf16=False))  # local_rank 0, as under torchrun
+    distributed.set_up_distributed(rloo.Args(bf16=False))  # local_rank 0, as under torchrun
     assert asked == [3]
 
 
@@ -439,17 +453,17 @@ def test_the_generator_waits_for_new_weights_without_a_deadline():
     """The next version reaches the generator after the learner's update, evaluation and checkpoint, which may take
     longer than --generation-timeout: it waits until the version comes or the learner stops, not until a deadline."""
     args = online_dpo_vllm.Args(sync=True, generation_timeout=0.2, bf16=False, num_updates=3)
-    kept = online_dpo_vllm.GeneratedBatch(0, [[]], [[]], 0.0, 0.0)  # update 1's batch, from a checkpoint
-    generator = online_dpo_vllm.GenerationThread(args, None, weights_dir="unused", train_prompts=[[1]],
-                                                 prompts_per_rank=1, k=2, stop_id=0, first_version=0,
-                                                 off_policy_steps=0, probe=None, resumed_batches=[kept])
-    generator.start()
-    assert generator.receivers.get(timeout=10) == 1  # update 2's batch waits for version 1
+    kept = generator.GeneratedBatch(0, [[]], [[]], 0.0, 0.0)  # update 1's batch, from a checkpoint
+    thread = generator.GenerationThread(args, None, online_dpo_vllm.vllm_generate, weights_dir="unused",
+                                        train_prompts=[[1]], prompts_per_rank=1, k=2, stop_id=0, first_version=0,
+                                        off_policy_steps=0, probe=None, resumed_batches=[kept])
+    thread.start()
+    assert thread.receivers.get(timeout=10) == 1  # update 2's batch waits for version 1
     time.sleep(1.0)  # five --generation-timeouts
-    assert generator.error is None and generator.thread.is_alive()
-    generator.stopping.set()
-    generator.thread.join(timeout=5)
-    assert str(generator.error) == "the learner stopped"
+    assert thread.error is None and thread.thread.is_alive()
+    thread.stopping.set()
+    thread.thread.join(timeout=5)
+    assert str(thread.error) == "the learner stopped"
 
 def _load_fresh(path, name):
     spec = importlib.util.spec_from_file_location(name, path)
@@ -505,7 +519,7 @@ def test_a_cuda_torch_that_cannot_use_the_machines_gpus_stops_every_script(monke
     for name in SCRIPTS:
         module = importlib.import_module(name)
         if not gpus:  # no NVIDIA GPU: a CPU machine with a CUDA build of torch runs on the CPU, as asked
-            module.check_gpu_driver()
+            checks.check_gpu_driver()
             continue
         with pytest.raises(SystemExit) as exit:
             module.validate(module.Args())
@@ -539,7 +553,7 @@ def test_vllm_on_a_gpu_starts_with_what_its_weight_hand_off_needs(tmp_path, monk
     monkeypatch.setattr(importlib.import_module("vllm"), "LLM", RecordedLLM)
     for name in ("CUDA_VISIBLE_DEVICES", "LOCAL_SIZE", "LOCAL_WORLD_SIZE", "VLLM_ALLOW_INSECURE_SERIALIZATION"):
         monkeypatch.delenv(name, raising=False)
-    llm = online_dpo_vllm.start_vllm(online_dpo_vllm.Args(bf16=True), os.path.join(TINY, "sft"), weight_transfer=True)
+    llm = vllm_engine.start_vllm(online_dpo_vllm.Args(bf16=True), os.path.join(TINY, "sft"), weight_transfer=True)
     backend = llm.engine_args["weight_transfer_config"]["backend"]
     assert llm.engine_args["dtype"] == "bfloat16"
     assert "CUDA_VISIBLE_DEVICES" not in os.environ  # restored: only the engine's processes see it
@@ -572,7 +586,7 @@ def test_vllms_rpc_carries_a_cuda_ipc_update_only_as_the_scripts_set_it_up(monke
     monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "0")
     with pytest.raises(TypeError, match="not serializable"):
         MsgpackEncoder().encode(request)
-    online_dpo_vllm.allow_pickled_rpc(os.environ)
+    vllm_engine.allow_pickled_rpc(os.environ)
     (decoded,) = MsgpackDecoder().decode(MsgpackEncoder().encode(request))[1]
     carried = decoded["update_info"]["ipc_handles"]["GPU-0000"]  # msgpack carries tuples as lists
     assert carried == [list(item) if isinstance(item, tuple) else item for item in handle]
@@ -585,8 +599,8 @@ def test_the_hand_offs_packing_buffers_fit_the_largest_parameter_and_are_bounded
     both engines 256 MiB buffers, or the largest parameter's size. (Parameters on the meta device: no memory.)"""
     small = torch.nn.Linear(64, 64, device="meta")
     large = torch.nn.Sequential(torch.nn.Embedding(152064, 3584, device="meta", dtype=torch.bfloat16), small)
-    assert online_dpo_vllm.packed_buffer_bytes(online_dpo_vllm.PolicyWeights(small).metadata()) == 256 * 2**20
-    assert online_dpo_vllm.packed_buffer_bytes(online_dpo_vllm.PolicyWeights(large).metadata()) == 152064 * 3584 * 2
+    assert weight_handoff.packed_buffer_bytes(weight_handoff.PolicyWeights(small).metadata()) == 256 * 2**20
+    assert weight_handoff.packed_buffer_bytes(weight_handoff.PolicyWeights(large).metadata()) == 152064 * 3584 * 2
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
     given = {}
@@ -597,7 +611,7 @@ def test_the_hand_offs_packing_buffers_fit_the_largest_parameter_and_are_bounded
         llm = types.SimpleNamespace(llm_engine=types.SimpleNamespace(vllm_config=config))
         args = online_dpo_vllm.Args()
         args.world_size = 1
-        online_dpo_vllm.weight_transfer(args, llm, large, rank=0)
+        weight_handoff.weight_transfer(args, llm, large, rank=0)
         assert given[backend].packed and given[backend].packed_buffer_size_bytes == 152064 * 3584 * 2, backend
 
 
@@ -610,7 +624,7 @@ def test_every_deepspeed_config_is_valid_as_the_scripts_fill_it_in(config_file):
         args = online_dpo_vllm.Args(deepspeed_config=config_file, bf16=bf16, per_device_train_batch_size=16,
                            gradient_accumulation_steps=4)
         for train in (True, False):
-            config = online_dpo_vllm.ds_config(args, train)
+            config = distributed.ds_config(args, train)
             parsed = DeepSpeedConfig(config)  # DeepSpeed's own parser and checks
             assert parsed.bfloat16_config.enabled is bf16
             assert parsed.train_micro_batch_size_per_gpu == 16
@@ -630,7 +644,7 @@ def test_weight_sync_is_memory_on_gpus_and_file_on_a_cpu_where_memory_needs_a_vl
     """vLLM's weight transfer runs on GPUs (NCCL, CUDA IPC); on a CPU only with a plugin giving its "nccl" engine,
     such as tests/cpu_weight_transfer (on PYTHONPATH in the tests, see conftest.py). Without one, --weight-sync
     memory on a CPU is bad input."""
-    check = online_dpo_vllm.check_weight_sync
+    check = checks.check_weight_sync
     for cuda, default in ((False, "file"), (True, "memory")):
         monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
         args = online_dpo_vllm.Args()

@@ -7,6 +7,7 @@ import torch
 from conftest import TINY
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
+import data
 import ppo
 
 
@@ -96,7 +97,7 @@ def test_value_of_each_state_is_the_reward_model_score_of_the_prefix():
     pad = tokenizer.pad_token_id
     prompts = [tokenizer.encode("SUBREDDIT: r/travel\nPOST: rain hotel\nTL;DR:"), tokenizer.encode("SUBREDDIT: r/tech\nTL;DR:")]
     response = tokenizer.encode(" train beach plane")
-    queries = ppo.left_pad(prompts, pad, "cpu")
+    queries = data.left_pad(prompts, pad, "cpu")
     context_length = queries.shape[1]
     query_responses = torch.cat([queries, torch.tensor([response, response[:1] + [pad, pad]])], 1)
     with torch.no_grad():

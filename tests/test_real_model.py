@@ -18,7 +18,10 @@ from conftest import read_metrics, run_dir_of, run_script
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from vllm.inputs import TokensPrompt
 
+import data
 import rloo_vllm as script
+import vllm_engine
+import weight_handoff
 
 pytestmark = pytest.mark.slow  # builds the model, runs vLLM engines and scripts: minutes
 
@@ -59,9 +62,9 @@ def _move_far(model, seed):
 
 
 def _expected(model, probe, names):
-    """The learner's WeightCheck of a plain HF model (what learner_weight_check takes from a DeepSpeed engine)."""
+    """The learner's WeightCheck of a plain HF model (what expected_weights takes from a DeepSpeed engine)."""
     engine = type("Engine", (), {"module": model, "__call__": lambda self, **kw: model(**kw)})()
-    return script.learner_weight_check(engine, probe, names, 49152, "cpu")
+    return weight_handoff.expected_weights(engine, probe, names, 49152, "cpu")
 
 
 def test_tied_embeddings_reach_vllm_in_memory_and_through_files(smollm2, tmp_path):
@@ -72,43 +75,43 @@ def test_tied_embeddings_reach_vllm_in_memory_and_through_files(smollm2, tmp_pat
     tokenizer = AutoTokenizer.from_pretrained(path)
     prompts = [tokenizer.encode(p, add_special_tokens=False) for p in _prompts(tokenizer)]
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    assert script.tied_output_names(model) == ["lm_head.weight"]
-    script.write_for_vllm(model, model.state_dict(), str(tmp_path / "v0"))
+    assert vllm_engine.tied_output_names(model) == ["lm_head.weight"]
+    vllm_engine.write_for_vllm(model, model.state_dict(), str(tmp_path / "v0"))
     tokenizer.save_pretrained(tmp_path / "v0")
     args = script.Args(bf16=False, response_length=8, max_prompt_length=56, batch_size=4, vllm_enforce_eager=True)
     args.world_size = 1
-    llm = script.start_vllm(args, str(tmp_path / "v0"), weight_transfer=True)
+    llm = vllm_engine.start_vllm(args, str(tmp_path / "v0"), weight_transfer=True)
     try:
         assert _largest_difference(model, prompts, _vllm_logprobs(llm, prompts, 4)) < 1e-4
         start = _expected(model, prompts, None)
-        digests = script.vllm_digests(llm)
+        digests = weight_handoff.vllm_digests(llm)
         names = sorted(n for n, d in start.digests.items() if digests.get(n) == d)
         assert {"model.embed_tokens.weight", "lm_head.weight"} <= set(names)  # on a CPU: embeddings and norms
         before = _vllm_logprobs(llm, prompts, 4)
 
         _move_far(model, 0)
-        transfer = script.weight_transfer(args, llm, model, rank=0)
-        script.hand_over_weights(model, 1, transfer=transfer, generator=None, weights_dir=None)
+        transfer = weight_handoff.weight_transfer(args, llm, model, rank=0)
+        weight_handoff.hand_over_weights(model, 1, transfer=transfer, generator=None, weights_dir=None)
         transfer.finish()
         after = _vllm_logprobs(llm, prompts, 4)
         assert after != before and _largest_difference(model, prompts, after) < 1e-4
-        script.check_vllm_weights(llm, 1, prompts, _expected(model, prompts, names), bf16=False)
+        weight_handoff.check_vllm_weights(llm, 1, prompts, _expected(model, prompts, names), bf16=False)
 
         _move_far(model, 1)
-        script.write_for_vllm(model, model.state_dict(), str(tmp_path / "v2"))
-        script.load_into_vllm(llm, str(tmp_path / "v2"))
+        vllm_engine.write_for_vllm(model, model.state_dict(), str(tmp_path / "v2"))
+        vllm_engine.load_into_vllm(llm, str(tmp_path / "v2"))
         assert _largest_difference(model, prompts, _vllm_logprobs(llm, prompts, 4)) < 1e-4
-        script.check_vllm_weights(llm, 2, prompts, _expected(model, prompts, names), bf16=False)
+        weight_handoff.check_vllm_weights(llm, 2, prompts, _expected(model, prompts, names), bf16=False)
 
         # What vLLM 0.32 does with a tied model as save_pretrained writes it (the hand-off before the fix).
         _move_far(model, 2)
         model.save_pretrained(tmp_path / "v3")
-        script.load_into_vllm(llm, str(tmp_path / "v3"))
+        vllm_engine.load_into_vllm(llm, str(tmp_path / "v3"))
         assert _largest_difference(model, prompts, _vllm_logprobs(llm, prompts, 4)) > 0.1
-        with pytest.raises(script.WeightsDiffer, match=r"version 3 .* parameters that differ: lm_head\.weight"):
-            script.check_vllm_weights(llm, 3, prompts, _expected(model, prompts, names), bf16=False)
+        with pytest.raises(weight_handoff.WeightsDiffer, match=r"version 3 .* parameters that differ: lm_head\.weight"):
+            weight_handoff.check_vllm_weights(llm, 3, prompts, _expected(model, prompts, names), bf16=False)
     finally:
-        script.shut_down(llm)
+        vllm_engine.shut_down(llm)
 
 
 def test_pad_is_not_eos_and_the_chat_templates_end_of_turn_is_attended_to(smollm2):
@@ -118,16 +121,16 @@ def test_pad_is_not_eos_and_the_chat_templates_end_of_turn_is_attended_to(smollm
     path = os.path.join(smollm2, "model")
     original = AutoTokenizer.from_pretrained(path)
     assert original.pad_token_id == original.eos_token_id == original.convert_tokens_to_ids("<|im_end|>")
-    tokenizer = script.load_tokenizer(path, False)
+    tokenizer = data.load_tokenizer(path, False)
     pad = tokenizer.pad_token_id
     assert pad == len(original) == 49152 and pad != tokenizer.eos_token_id
-    model = script.load_model(script.Args(bf16=False), path).eval()
+    model = data.load_model(script.Args(bf16=False), path).eval()
     assert model.get_input_embeddings().num_embeddings == 49152 and model.lm_head.weight.shape[0] == 49152
     prompts = [tokenizer.encode(p, add_special_tokens=False) for p in _prompts(tokenizer)]
     for prompt in prompts:
         assert prompt.count(tokenizer.bos_token_id) == prompt.count(original.convert_tokens_to_ids("<|im_start|>"))
         assert prompt[0] == tokenizer.bos_token_id and tokenizer.eos_token_id in prompt
-    queries = script.left_pad(prompts, pad, "cpu")
+    queries = data.left_pad(prompts, pad, "cpu")
     assert (queries == pad).any()
     with torch.no_grad():
         batch = script.forward(model, queries, pad).logits[:, -1]

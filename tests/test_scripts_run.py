@@ -26,13 +26,15 @@ SCRIPTS = ["rloo.py", "online_dpo.py", "bok.py", "ppo.py", "grpo.py", "online_dp
            "ppo_vllm.py", "bok_vllm.py", "grpo_vllm.py"]
 COMMON_METRICS = [
     "objective/scores", "objective/raw_scores", "policy/entropy_avg",
-    "loss/policy_avg", "val/num_eos_tokens", "val/response_length", "lr", "episode", "time/episodes_per_second", "time/generation",
+    "loss/policy_avg", "val/num_eos_tokens", "val/response_length", "lr", "episode", "time/episodes_per_second",
     "time/scoring", "time/training",
 ]
 DPO_METRICS = ["pairs/scores", "pairs/kl", "pairs/entropy", "pairs/non_score_reward", "pairs/rlhf_reward",
                "objective/scores_margin", "logps/chosen",
                "logps/rejected", "rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies"]
-ASYNC_METRICS = ["async/off_policy_steps", "time/generation_wait", "time/weight_sync", "time/weight_load"]
+# time/generation: the learner generating (HF); time/vllm_generation: vLLM generating, in the background when asynchronous
+ASYNC_METRICS = ["async/off_policy_steps", "time/vllm_generation", "time/generation_wait", "time/weight_sync",
+                 "time/weight_load"]
 CORRECTION_METRICS = ["async/mismatch_kl", "async/is_ess", "async/is_mean", "async/is_truncated"]
 ALGORITHM_METRICS = {
     "rloo.py": ["objective/kl", "objective/entropy", "objective/non_score_reward", "objective/rlhf_reward",
@@ -129,8 +131,10 @@ def test_default_run_logs_saves_and_learns(tmp_path, command, proxy_margin, gold
     rows = read_metrics(run_dir)
     assert [row["update"] for row in rows] == list(range(101))
     assert_finite(rows)
-    for key in COMMON_METRICS + ALGORITHM_METRICS[script] + ["eval/scores", "eval/gold_scores"]:
+    generation = [] if script.endswith("_vllm.py") else ["time/generation"]
+    for key in COMMON_METRICS + ALGORITHM_METRICS[script] + generation + ["eval/scores", "eval/gold_scores"]:
         assert key in rows[50], key
+    assert ("time/generation" in rows[50]) != script.endswith("_vllm.py")
 
     first = rows[1]
     assert first["episode"] == 64 and rows[-1]["episode"] == 6400
@@ -188,7 +192,7 @@ def test_default_run_logs_saves_and_learns(tmp_path, command, proxy_margin, gold
 
 # The *_vllm.py scripts resume exactly, asynchronously too: a checkpoint keeps the K batches already generated
 # for the updates after it (by policies older than its own), and the resumed run trains on them. Their generator,
-# hand-off and checkpoints are the same code in all five (test_shared_helpers.py); what each batch holds differs
+# hand-off and checkpoints are one code that all five import (generator.py); what each batch holds differs
 # (pairs of samples, k samples, one sample and its values), so each runs, two updates late.
 # Of the synchronous scripts, rloo.py and ppo.py (a second engine, the value model, in the checkpoint) run: online_dpo.py
 # and bok.py checkpoint as rloo.py does, and their asynchronous siblings run here (CI's 45 minutes).
@@ -483,7 +487,7 @@ BAD_INPUT = [  # (script, arguments, the argument the error must name)
     ]],
     ("ppo_vllm.py", ["--rule-reward", "last_number", "--answer-column", "solution", "--dataset-name",
                      "assets/tiny_math/data", "--sft-model-path", "assets/tiny_math/sft"], "--answer-column"),
-    # The other scripts share every check but their own `validate` (test_shared_helpers.py).
+    # The other scripts share every check but their own `validate` (checks.py).
     ("online_dpo.py", ["--k", "1"], "--k"),
     ("online_dpo.py", ["--k", "4", "--per-device-train-batch-size", "66"], "--k"),
     ("online_dpo.py", ["--beta", "0"], "--beta"),

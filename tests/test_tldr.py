@@ -13,6 +13,7 @@ import tyro
 from conftest import ROOT, run
 
 import bok
+from data import load_prompts, load_tokenizer
 import evaluate
 import online_dpo
 import online_dpo_vllm
@@ -139,8 +140,8 @@ def test_gsm8k_data_preparation_writes_what_the_scripts_read(tmp_path, monkeypat
     exec(prepare[2].replace("runs/gsm8k/data", str(data)), {})
     args = type("Args", (), dict(dataset_name=str(data), dataset_train_split="train", dataset_eval_split="test",
                                  max_prompt_length=512, rule_reward="last_number", answer_column="answer"))
-    tokenizer = rloo.load_tokenizer(os.path.join(ROOT, "assets", "tiny", "sft"), False)
-    _, (prompt,), _, (answer,) = rloo.load_prompts(args, tokenizer)
+    tokenizer = load_tokenizer(os.path.join(ROOT, "assets", "tiny", "sft"), False)
+    _, (prompt,), _, (answer,) = load_prompts(args, tokenizer)
     assert tokenizer.decode(prompt) == f"[MATH_TASK] Problem:\n{rows[0]['question']}\n\nSolution:"
     assert rloo.last_number_reward(" 48/2 = 24 in May, 48 + 24 = 72 in all. #### 72", answer) == 1.0
     assert rloo.last_number_reward(" 48 + 24 = 72. #### 24", answer) == 0.0
@@ -170,7 +171,7 @@ def test_no_robots_command_matches_the_paper(mode):
 def test_no_robots_chat_template_is_the_tulu_format():
     with open(os.path.join(ROOT, "benchmark", "no_robots.sh")) as f:
         (template,) = re.findall(r"<<'EOF'\n(.*?)\nEOF", f.read(), re.S)
-    tokenizer = rloo.load_tokenizer(os.path.join(ROOT, "assets", "tiny", "sft"), False)
+    tokenizer = load_tokenizer(os.path.join(ROOT, "assets", "tiny", "sft"), False)
     tokenizer.chat_template = template
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
                 {"role": "assistant", "content": "Hello"}, {"role": "user", "content": "Why?"}]

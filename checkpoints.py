@@ -1,0 +1,131 @@
+"""Checkpoints and resume: checkpoint-N/ holds the policy as save_pretrained (what transformers, vLLM and evaluate.py
+load) and training_state/ (DeepSpeed's state of each trained model, every rank's random state), written whole or not
+at all; --resume checks that the checkpoint was written by this script with the arguments a resumed run must keep, and
+restores it exactly. Nothing here changes what is learned."""
+
+import json
+import os
+import shutil
+import sys
+from dataclasses import asdict
+
+import torch
+import torch.distributed as dist
+from distributed import gathered_state_dict  # (first: it sets DS_ACCELERATOR before deepspeed is imported)
+from deepspeed.accelerator import get_accelerator
+from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
+from transformers import AutoTokenizer
+
+from checks import fail
+
+SCRIPT = os.path.basename(sys.argv[0])  # the script that runs (a copy too: my_rloo.py), named in its checkpoints
+
+
+RESUME_KEEPS = ("seed", "dataset_name", "dataset_train_split", "max_prompt_length", "response_length", "k",
+                "per_device_train_batch_size", "gradient_accumulation_steps", "num_mini_batches", "total_episodes",
+                "world_size", "off_policy_steps", "sync", "bf16")  # (bf16: DeepSpeed names its state files by it)
+
+
+def check_resume(args):
+    """--resume names a run or checkpoint directory of this script, written with this run's RESUME_KEEPS: the
+    arguments that decide which prompts each update takes, how its batches are made and sampled, and (in *_vllm.py)
+    how stale they are, so that the resumed run repeats the stopped one. Others (logging, evaluation) may change."""
+    if args.resume is None:
+        return
+    if not os.path.isdir(args.resume):
+        fail("resume", f"no such directory: {args.resume}")
+    path = os.path.join(latest_checkpoint(args.resume), "trainer_state.json")
+    try:
+        with open(path) as f:
+            state = json.load(f)
+        script, saved = state.get("script"), state.get("args", {})
+    except (OSError, ValueError, AttributeError) as error:
+        fail("resume", f"cannot read {path}: {error}")
+    if script not in (None, SCRIPT):
+        fail("resume", f"{args.resume} holds a checkpoint of {script}, not of {SCRIPT}")
+    for name in RESUME_KEEPS:
+        if name in saved and hasattr(args, name) and getattr(args, name) != saved[name]:
+            what = "processes" if name == "world_size" else f"as --{name.replace('_', '-')}"
+            fail("resume", f"{path} was written with {saved[name]} {what}, this run has {getattr(args, name)}: "
+                           "a resumed run must keep it")
+
+
+def latest_checkpoint(path):
+    """`path` if it is a checkpoint, else the checkpoint of `path` with the highest update."""
+    if os.path.isfile(os.path.join(path, "trainer_state.json")):
+        return path
+    updates = [int(d.split("-")[1]) for d in os.listdir(path) if d.startswith("checkpoint-") and d[len("checkpoint-"):].isdigit()]
+    if not updates:
+        fail("resume", f"no checkpoint in {path}")
+    return os.path.join(path, f"checkpoint-{max(updates)}")
+
+
+def save_checkpoint(args, run_dir, update, episode, engines, extra_files=None):
+    """Write <run_dir>/checkpoint-<update>: every trained model as save_pretrained (the policy at the top with the SFT
+    model's own tokenizer, others such as PPO's value model in a subdirectory of their name), the training state in
+    training_state/ (each engine's DeepSpeed state, every rank's RNG state) and rank 0's `extra_files` ({name: JSON}).
+    Written to a temporary directory renamed at the end: an interruption leaves no half-written checkpoint, and a
+    failed write (a full disk) removes it and ends the run with one line."""
+    final = os.path.join(run_dir, f"checkpoint-{update}")
+    tmp = final + ".tmp"
+    try:
+        if dist.get_rank() == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            os.makedirs(tmp)
+        dist.barrier()
+        for name, engine in engines.items():
+            engine.save_checkpoint(os.path.join(tmp, "training_state"), tag=name, save_latest=False)
+            state_dict = gathered_state_dict(engine)
+            if dist.get_rank() == 0:
+                engine.module.save_pretrained(tmp if name == "policy" else os.path.join(tmp, name), state_dict=state_dict)
+        torch.save({"torch": torch.get_rng_state(), "accelerator": get_accelerator().get_rng_state(),
+                    "device": get_accelerator().device_name()},
+                   os.path.join(tmp, "training_state", f"rng_rank{dist.get_rank()}.pt"))
+        if dist.get_rank() == 0:
+            AutoTokenizer.from_pretrained(args.sft_model_path, trust_remote_code=args.trust_remote_code).save_pretrained(tmp)
+            with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
+                json.dump({"script": SCRIPT, "update": update, "episode": episode, "args": asdict(args)},
+                          f, indent=1)
+            for name, content in (extra_files or {}).items():
+                with open(os.path.join(tmp, name), "w") as f:
+                    json.dump(content, f)
+        dist.barrier()
+        if dist.get_rank() == 0:
+            shutil.rmtree(final, ignore_errors=True)
+            os.replace(tmp, final)
+        dist.barrier()
+    except (OSError, RuntimeError) as error:  # a full disk: torch.save raises RuntimeError, the rest OSError
+        free = shutil.disk_usage(run_dir).free / 2**20
+        shutil.rmtree(tmp, ignore_errors=True)
+        sys.exit(f"error: could not write {final} ({str(error).splitlines()[0]}; {free:.1f} MiB free on its disk): "
+                 "the partial checkpoint is removed, earlier checkpoints are intact")
+
+
+def load_checkpoint(checkpoint, engines):
+    """Restore the training state written by save_checkpoint into rank 0's `checkpoint` (where nodes share a directory,
+    another node's listing of it may lag and name an older one); returns (update, episode)."""
+    chosen = [checkpoint]
+    dist.broadcast_object_list(chosen, src=0)
+    checkpoint = chosen[0]
+    for name, engine in engines.items():
+        engine.checkpoint_engine = SafeCheckpointEngine()
+        engine.load_checkpoint(os.path.join(checkpoint, "training_state"), tag=name)
+    rng = torch.load(os.path.join(checkpoint, "training_state", f"rng_rank{dist.get_rank()}.pt"), weights_only=True)
+    torch.set_rng_state(rng["torch"])
+    if rng.get("device", get_accelerator().device_name()) == get_accelerator().device_name():  # a GPU's fits no CPU
+        get_accelerator().set_rng_state(rng["accelerator"])
+    with open(os.path.join(checkpoint, "trainer_state.json")) as f:
+        state = json.load(f)
+    return state["update"], state["episode"]
+
+
+class SafeCheckpointEngine(TorchCheckpointEngine):
+    """DeepSpeed's checkpoint engine, but loading with weights_only=True so that a checkpoint cannot run code."""
+
+    def load(self, path, map_location=None):
+        from deepspeed.runtime.fp16.loss_scaler import LossScaler
+        from deepspeed.runtime.zero.config import ZeroStageEnum
+        from deepspeed.utils.tensor_fragment import fragment_address
+
+        with torch.serialization.safe_globals([LossScaler, ZeroStageEnum, fragment_address]):
+            return torch.load(path, map_location=map_location, weights_only=True)

@@ -1,0 +1,153 @@
+"""Argument and input checks shared by every script: each failure is one line, `error: --<argument>: ...`, and exit
+code 2, before any model loads (a script's own checks are its `validate`). Nothing here changes what is learned."""
+
+import importlib.metadata
+import json
+import math
+import os
+import sys
+from dataclasses import asdict
+
+import torch
+from transformers import AutoConfig
+
+
+def fail(argument, message):
+    """Bad input: one line on stderr naming the argument, exit code 2."""
+    print(f"error: --{argument.replace('_', '-')}: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def check_gpu_driver():
+    """Stop (one line, exit code 2) when this machine has NVIDIA GPUs that this torch cannot use: a CUDA build of
+    torch under a driver older than it needs finds no GPU, and the run would go on on the CPU without a word."""
+    if torch.version.cuda is None or torch.cuda.is_available():
+        return
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        gpus, driver = pynvml.nvmlDeviceGetCount(), pynvml.nvmlSystemGetDriverVersion()
+    except Exception:  # no NVIDIA driver (or no NVML): a machine without NVIDIA GPUs
+        return
+    if gpus:
+        needed = {"12": "R525", "13": "R580"}.get(torch.version.cuda.split(".")[0], "a newer one")
+        print(f"error: this torch is a CUDA {torch.version.cuda} build, which needs NVIDIA driver {needed} or newer; "
+              f"this machine's {gpus} GPU(s) have driver {driver}, so CUDA is unavailable (update the driver, or "
+              "install a torch built for an older CUDA: README, GPUs)", file=sys.stderr)
+        sys.exit(2)
+
+
+def check_run(args, rules):
+    """The checks of every algorithm script after its own: --missing-eos-mode, --bf16 on this GPU, the files, every
+    number, the policy, the reward models or one of the script's `rules`, and the model's positions."""
+    if args.missing_eos_mode not in ("add", "replace"):
+        fail("missing_eos_mode", f"must be add or replace, got {args.missing_eos_mode!r}")
+    if args.bf16 and torch.cuda.is_available() and not torch.cuda.is_bf16_supported(including_emulation=False):
+        fail("bf16", "this GPU has no native bfloat16 (compute capability 8.0 or later: A100, H100, L4, RTX 30xx); "
+                     "train in float32 with --no-bf16")
+    check_files(args)
+    check_numbers(args)
+    check_model(args, "sft_model_path")
+    check_rewards(args, rules)
+    config = AutoConfig.from_pretrained(args.sft_model_path, trust_remote_code=args.trust_remote_code)
+    positions = getattr(config, "max_position_embeddings", None)
+    if positions is not None and args.max_prompt_length + args.response_length > positions:
+        fail("response_length", f"max_prompt_length + response_length = {args.max_prompt_length + args.response_length}"
+                                f" exceeds the model's {positions} positions")
+
+
+def check_model_path(argument, path):
+    looks_like_hub_id = path.count("/") == 1 and not path.startswith((".", "/", "~"))
+    if os.path.isfile(path):
+        fail(argument, f"{path} is a file, not a directory")
+    if not os.path.isdir(path) and not looks_like_hub_id:
+        fail(argument, f"no such directory: {path}")
+
+
+def check_model(args, argument, reward=False):
+    """A model argument, before anything loads: a directory (a hub id is checked when it loads) with a readable config
+    and a tokenizer; a reward model is a sequence classifier (any other gets a random score head), a policy is not."""
+    path = getattr(args, argument)
+    check_model_path(argument, path)
+    if not os.path.isdir(path):
+        return
+    try:
+        config = AutoConfig.from_pretrained(path, trust_remote_code=args.trust_remote_code)
+    except (OSError, ValueError) as error:
+        fail(argument, f"cannot read the model's config in {path}: {str(error).splitlines()[0]}")
+    tokenizer_files = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+    if not any(os.path.isfile(os.path.join(path, name)) for name in tokenizer_files):
+        fail(argument, f"{path} has no tokenizer")
+    classifier = any(name.endswith("ForSequenceClassification") for name in config.architectures or [])
+    if reward and not classifier:
+        fail(argument, f"{path} is not a reward model: its architectures are {config.architectures}, "
+                       "not a ...ForSequenceClassification")
+    if not reward and classifier:  # it would load as a language model with an untrained output layer
+        fail(argument, f"{path} is a reward model ({config.architectures[0]}), not a language model")
+
+
+def check_rewards(args, rules):
+    """A reward model (and an optional gold one), or with --rule-reward one of the script's `rules` and no reward
+    models."""
+    if args.rule_reward is not None:
+        if args.rule_reward not in rules:
+            fail("rule_reward", f"must be one of {sorted(rules)}, got {args.rule_reward!r}")
+        args.reward_model_path = args.gold_reward_model_path = None  # the rule scores; no model is loaded
+        return
+    if args.reward_model_path is None:
+        fail("reward_model_path", "required unless --rule-reward names a rule")
+    check_model(args, "reward_model_path", reward=True)
+    if args.gold_reward_model_path is not None:
+        check_model(args, "gold_reward_model_path", reward=True)
+
+
+def check_bounds(args, positive=(), at_least_0=()):
+    """Number arguments within their bounds: the batch sizes, lengths and counts of every script at least 1, its
+    temperature and learning rate positive, its evaluation and save intervals 0 or more, and the script's own."""
+    at_least_1 = ("per_device_train_batch_size", "gradient_accumulation_steps", "num_mini_batches", "num_ppo_epochs",
+                  "response_length", "max_prompt_length", "total_episodes", "num_eval_prompts")
+    for names, low, strict in ((at_least_1, 1, False), (positive + ("temperature", "learning_rate"), 0, True),
+                               (at_least_0 + ("eval_every", "save_every"), 0, False)):
+        for name in names:
+            value = getattr(args, name)
+            if value < low or (strict and value == low):
+                fail(name, f"must be {'positive' if strict else f'at least {low}'}, got {value}")
+
+
+def check_numbers(args):
+    """Every number argument is finite and the seed one that every generator takes."""
+    for name, value in asdict(args).items():
+        if isinstance(value, float) and not math.isfinite(value):
+            fail(name, f"must be a finite number, got {value}")
+    if not 0 <= args.seed < 2**31:  # vLLM's per-batch seeds are seed * 2**32 + an offset: under 2**64
+        fail("seed", f"must be in [0, 2**31), got {args.seed}")
+
+
+def check_files(args):
+    """--deepspeed-config is a JSON file with a ZeRO stage; --output-dir is not a file."""
+    if not os.path.isfile(args.deepspeed_config):
+        fail("deepspeed_config", f"no such file: {args.deepspeed_config}")
+    try:
+        with open(args.deepspeed_config) as f:
+            config = json.load(f)
+    except ValueError as error:
+        fail("deepspeed_config", f"{args.deepspeed_config} is not valid JSON: {error}")
+    if not isinstance(config, dict) or not isinstance(config.get("zero_optimization"), dict) \
+            or "stage" not in config["zero_optimization"]:
+        fail("deepspeed_config", f"{args.deepspeed_config} has no zero_optimization.stage")
+    if os.path.isfile(args.output_dir):
+        fail("output_dir", f"{args.output_dir} is a file, not a directory")
+
+
+def check_weight_sync(args):
+    """--weight-sync, by default memory on a GPU and file on a CPU: vLLM moves weights in memory on GPUs only (NCCL,
+    CUDA IPC), or on a CPU with the tests' vLLM plugin, cpu_weight_transfer (its "nccl" engine over gloo)."""
+    cuda = torch.cuda.is_available()
+    if args.weight_sync is None:
+        args.weight_sync = "memory" if cuda else "file"
+    if args.weight_sync not in ("memory", "file"):
+        fail("weight_sync", f"must be memory or file, got {args.weight_sync!r}")
+    if args.weight_sync == "memory" and not cuda and \
+            not importlib.metadata.entry_points(group="vllm.general_plugins", name="cpu_weight_transfer"):
+        fail("weight_sync", "memory needs a GPU (vLLM's NCCL or CUDA IPC weight transfer); use file on a CPU")

@@ -1,0 +1,117 @@
+"""The process group, each rank's device, DeepSpeed's configuration and ZeRO-3's gathering of parameters (for
+generation and for saving); the averaging of metrics over ranks. Nothing here changes what is learned."""
+
+import contextlib
+import json
+import os
+import socket
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")  # must be set before deepspeed is imported
+
+import deepspeed
+import torch.distributed as dist
+from deepspeed.accelerator import get_accelerator
+from deepspeed.runtime.zero.stage3 import unwrap_model_for_generation
+
+
+def set_up_distributed(args):
+    """Join the process group and take this rank's device; returns (rank, device)."""
+    init_distributed()
+    rank = dist.get_rank()
+    # The local rank: deepspeed's launcher passes --local_rank and sets LOCAL_RANK; torchrun sets LOCAL_RANK only.
+    device = torch.device(get_accelerator().device_name(int(os.environ.get("LOCAL_RANK", args.local_rank))))
+    if torch.cuda.is_available():
+        torch.cuda.set_device(device)
+    torch.manual_seed(args.seed + rank)  # each rank samples different responses
+    return rank, device
+
+
+def init_distributed():
+    """Join the process group; a plain `python` launch is a group of one."""
+    if "RANK" not in os.environ:  # a free port, so several single-process runs can share a machine
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    deepspeed.init_distributed(dist_backend=process_group_backend(torch.cuda.is_available()))
+
+
+def process_group_backend(cuda):
+    """torch.distributed's backend for each device type. NCCL reduces only CUDA tensors ("No backend type
+    associated with device type cpu"), so on GPUs gloo serves the collectives on CPU objects beside it."""
+    return "cpu:gloo,cuda:nccl" if cuda else "gloo"
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def ds_config(args, train):
+    with open(args.deepspeed_config) as f:
+        config = json.load(f)
+    config.update(train_micro_batch_size_per_gpu=args.per_device_train_batch_size,
+                  gradient_accumulation_steps=args.gradient_accumulation_steps if train else 1,
+                  bf16={"enabled": args.bf16})
+    if not train:  # frozen models: partitioned under ZeRO-3 (offloaded if its parameters are), else replicated
+        zero = config["zero_optimization"]
+        config = {k: v for k, v in config.items() if k not in ("zero_optimization", "gradient_clipping")}
+        config["zero_optimization"] = {"stage": 0}
+        if zero["stage"] == 3:
+            config["zero_optimization"] = {k: v for k, v in zero.items() if k != "offload_optimizer"}
+    return config
+
+
+def adam_class(config):
+    """AdamW, or DeepSpeed's CPU Adam where the config offloads the optimizer to the CPU."""
+    offload = config["zero_optimization"].get("offload_optimizer", {}).get("device", "none") != "none"
+    return deepspeed.ops.adam.DeepSpeedCPUAdam if offload else torch.optim.AdamW
+
+
+def frozen_engine(args, model):
+    """A DeepSpeed engine that only runs `model` forward (partitioned under ZeRO-3); None for None."""
+    if model is None:
+        return None
+    return deepspeed.initialize(model=model.eval(), config=ds_config(args, train=False))[0]
+
+
+def mean_over_ranks(stats, device):
+    """Average a dict of floats over all processes (on the device: NCCL reduces only CUDA tensors)."""
+    values = torch.tensor(list(stats.values()), dtype=torch.float64, device=device)
+    dist.all_reduce(values)
+    return dict(zip(stats, (values / dist.get_world_size()).tolist()))
+
+
+@contextlib.contextmanager
+def unwrapped_for_generation(engine):
+    """The policy module for generate(), in eval mode (under --gradient-checkpointing it trains in training mode, where
+    transformers drops the KV cache); under ZeRO-3 its parameters are gathered once for the whole call (DeepSpeed's
+    helper), not layer by layer at every decoding step."""
+    training = engine.module.training
+    engine.module.eval()
+    try:
+        with unwrap_model_for_generation(engine) if engine.zero_optimization_stage() == 3 else contextlib.nullcontext():
+            yield engine.module
+    finally:
+        engine.module.train(training)
+
+
+def gathered_state_dict(engine):
+    """The engine's weights for save_pretrained, in rank 0's CPU memory (None elsewhere). Under ZeRO-3 every rank takes
+    part in gathering them one module at a time, so no device ever holds the whole model."""
+    module, rank = engine.module, dist.get_rank()
+    if engine.zero_optimization_stage() != 3:
+        return module.state_dict() if rank == 0 else None
+    state, copies = {}, {}
+    for prefix, submodule in module.named_modules():
+        own = list(submodule.named_parameters(prefix=prefix, recurse=False))
+        with deepspeed.zero.GatheredParameters([p for _, p in own]):
+            if rank == 0:
+                for name, param in own:  # tied weights (one parameter under two names) are copied once
+                    state[name] = copies.setdefault(id(param), param.detach().cpu().clone())
+    if rank != 0:
+        return None
+    persistent = module.state_dict().keys()  # keys only: under ZeRO-3 its parameters are empty shards
+    state.update({name: buffer.cpu() for name, buffer in module.named_buffers() if name in persistent})
+    return state

@@ -1,0 +1,229 @@
+"""Asynchronous generation for the *_vllm.py scripts: vLLM on rank 0, fed by a background thread that generates
+batch t with the policy version the schedule names (generating_version: K updates behind), while the learner trains.
+Batches the thread generated but the learner has not trained on go into checkpoints, so a resumed run is exact.
+Nothing here changes what is learned: the script passes its sampling request (vllm_generate)."""
+
+import atexit
+import collections
+import contextlib
+import json
+import math
+import os
+import queue
+import shutil
+import signal
+import sys
+import threading
+import time
+from typing import NamedTuple
+
+import torch.distributed as dist
+from transformers import AutoTokenizer
+
+from data import prompt_batch
+from vllm_engine import engine_dead, load_into_vllm, pin_vllm_to_its_cores, shut_down, start_vllm, wait_for
+from weight_handoff import (VllmClient, WeightsDiffer, check_vllm_weights, expected_weights, save_for_vllm,
+                            vllm_digests, weight_transfer, weights_root)
+
+
+def generating_version(update, first_version, off_policy_steps):
+    """The policy version that generates batch `update` (version v is the policy after v updates): the one
+    off_policy_steps (K) updates before the version that trains on it, never one before the run started."""
+    return max(first_version, update - 1 - off_policy_steps)
+
+
+def start_generation(args, policy, run_name, run_dir, rank, device, tokenizer, train_prompts, probe, stop_id,
+                     prompts_per_rank, k, start_update, resumed_batches, vllm_generate):
+    """On rank 0, vLLM started from the learner's weights (version start_update: the SFT policy or the resumed one) in a
+    save_pretrained directory, and its generator thread; on every rank, the weight check's first pass and the in-memory
+    hand-off. Later versions go in memory (--weight-sync memory) or through such directories, in /dev/shm if it has room
+    for the K + 1 versions that can be in flight at once, else in the run directory, each deleted once loaded; rank 0's
+    process id keeps two runs of one name (a sweep) apart. Returns (rank 0's GenerationThread, else None; the in-memory
+    hand-off, weight_transfer(), or None with --weight-sync file; the versions' directory; the parameters the weight
+    check digests, None: all). `vllm_generate` is the script's sampling request."""
+    off_policy_steps = 0 if args.sync else args.off_policy_steps  # K
+    version_bytes = sum(getattr(p, "ds_numel", p.numel()) for p in policy.module.parameters()) * (2 if args.bf16 else 4)
+    copies = off_policy_steps + 1 if args.weight_sync == "file" else 1
+    root = weights_root(run_dir, copies * version_bytes) if rank == 0 else run_dir  # only rank 0 writes
+    weights_dir = os.path.join(root, f"{run_name}-{os.getpid()}-weights")
+    exit_on_signals()
+    atexit.register(shutil.rmtree, weights_dir, ignore_errors=True)
+    first = os.path.join(weights_dir, f"policy-{start_update}")
+    save_for_vllm(policy, first)
+    llm = generator = None
+    if rank == 0:
+        AutoTokenizer.from_pretrained(args.sft_model_path, trust_remote_code=args.trust_remote_code).save_pretrained(first)
+        llm = start_vllm(args, first, args.weight_sync == "memory")
+        shutil.rmtree(first)
+        generator = GenerationThread(args, llm, vllm_generate, weights_dir=weights_dir, train_prompts=train_prompts,
+                              prompts_per_rank=prompts_per_rank, k=k, stop_id=stop_id, first_version=start_update,
+                              off_policy_steps=off_policy_steps, probe=probe, resumed_batches=resumed_batches)
+        atexit.register(generator.close)  # on every way out: the end, an error, Ctrl-C, SIGTERM
+    # The weight check (--check-weights-every): vLLM's log-probabilities of the probe against the learner's, and the
+    # digests of the parameters vLLM keeps as the learner does (found now: every one on a GPU; on a CPU vLLM repacks
+    # its linear layers, so embeddings and norms), first here, then after hand-offs.
+    checked_names = [None]
+    if args.check_weights_every:
+        expected = expected_weights(policy, probe, None, tokenizer.pad_token_id, device)
+        if rank == 0:
+            digests = vllm_digests(llm)
+            checked_names = [sorted(n for n, d in expected.digests.items() if digests.get(n) == d)]
+            try:
+                check_vllm_weights(llm, start_update, probe,
+                                   expected._replace(digests={n: expected.digests[n] for n in checked_names[0]}), args.bf16)
+            except WeightsDiffer as error:
+                sys.exit(f"error: {error}")
+        dist.broadcast_object_list(checked_names, src=0)
+    # The in-memory hand-off connects before the generator starts: then only its thread uses vLLM (but while it waits
+    # for weights, see wait_for_receiver()).
+    memory_transfer = weight_transfer(args, llm, policy.module, rank) if args.weight_sync == "memory" else None
+    if rank == 0:
+        generator.start()
+    return generator, memory_transfer, weights_dir, checked_names[0]
+
+
+class GeneratedBatch(NamedTuple):
+    """One update's batch: the policy version that generated it, each rank's responses (sample j of prompt i at
+    j * prompts_per_rank + i) and their tokens' log-probabilities under that version (the behaviour policy), and
+    the seconds spent generating it and loading its version into vLLM."""
+    version: int
+    responses: list
+    logprobs: list
+    generation_time: float
+    load_time: float
+
+
+GENERATED_BATCHES = "generated_batches.json"
+
+
+def load_generated_batches(checkpoint):
+    """The batches a checkpoint kept for the updates after it (none from --sync runs or older checkpoints)."""
+    path = os.path.join(checkpoint, GENERATED_BATCHES)
+    if dist.get_rank() != 0 or not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [GeneratedBatch(**batch) for batch in json.load(f)]
+
+
+class GenerationThread:
+    """vLLM on rank 0, generating in a background thread while the learner trains: the engine runs in its own process,
+    so generation and training overlap; this thread only feeds it, each batch with the version generating_version()
+    names, which it waits for. The learner hands every version over with publish() (in memory: sending it while the
+    generator waits, see wait_for_receiver()) and takes the batches, in order, with get(). Every wait is bounded by
+    --generation-timeout; a generator error or vLLM's engine dying is raised in the learner."""
+
+    def __init__(self, args, llm, vllm_generate, *, weights_dir, train_prompts, prompts_per_rank, k, stop_id, first_version,
+                 off_policy_steps, probe, resumed_batches=()):
+        self.args, self.llm, self.weights_dir, self.stop_id, self.probe = args, llm, weights_dir, stop_id, probe
+        self.vllm_generate = vllm_generate  # the script's sampling request
+        self.train_prompts, self.prompts_per_rank, self.k = train_prompts, prompts_per_rank, k
+        self.first_version, self.off_policy_steps = first_version, off_policy_steps
+        self.batches, self.versions, self.receivers = queue.Queue(), queue.Queue(), queue.Queue()
+        # Batches get() returns before the queue's: those a checkpoint kept (not generated again), then peek()'s.
+        self.ahead = collections.deque(resumed_batches)
+        self.first_update = first_version + 1 + len(self.ahead)
+        self.error, self.stopping = None, threading.Event()
+        self.thread = threading.Thread(target=self._run, name="generator", daemon=True)
+
+    def start(self):
+        self.thread.start()
+
+    def publish(self, version, weights_path=None, finish=None, expected=None):
+        """Hand the generator version `version`: a save_pretrained directory it loads and deletes, or None (in memory;
+        `finish`, if given, completes the update); given `expected` (a WeightCheck) it checks vLLM's weights."""
+        self.versions.put((version, weights_path, finish, expected))
+
+    def wait_for_receiver(self, version):
+        """Wait until the generator has generated every batch of older policies and waits for this version: then the
+        learner may replace vLLM's weights in memory."""
+        ready = self._take(self.receivers, f"the generator's batches before version {version} of the policy",
+                           check=self.raise_if_failed)
+        assert ready == version, (ready, version)
+
+    def get(self):
+        """The next GeneratedBatch; raises the generator's error, or the engine's death, as soon as either happens."""
+        if self.ahead:
+            return self.ahead.popleft()
+        return self._take(self.batches, "a generation batch", check=self.raise_if_failed)
+
+    def peek(self, n):
+        """The next n batches, left for get(): for a checkpoint, which keeps the batches generated for the next K
+        updates (by policies older than the checkpoint's, so they are waited for, not regenerated on resume)."""
+        while len(self.ahead) < n:
+            self.ahead.append(self._take(self.batches, "a generation batch", check=self.raise_if_failed))
+        return list(self.ahead)[:n]
+
+    def close(self):
+        """Stop the thread and the engine and delete the handed-over weights (safe to call twice)."""
+        self.stopping.set()
+        if self.args.weight_sync == "memory" and not engine_dead(self.llm):
+            with contextlib.suppress(Exception):  # else vLLM's worker, holding the connection, exits 10 s later
+                VllmClient(self.llm, timeout=5).call("shutdown_weight_transfer_engine")
+        shut_down(self.llm)
+        if self.thread.is_alive():
+            self.thread.join(timeout=5)  # a daemon: if it is stuck in a dead engine, the process exits without it
+        shutil.rmtree(self.weights_dir, ignore_errors=True)
+
+    def raise_if_failed(self):
+        if isinstance(self.error, WeightsDiffer):
+            raise SystemExit(f"error: {self.error}")
+        if self.error is not None:
+            raise RuntimeError(f"the generator failed: {self.error!r}") from self.error
+        if engine_dead(self.llm):
+            raise RuntimeError("the generator failed: vLLM's engine process died")
+
+    def _take(self, source, what, check, timeout=None):
+        """The next item of a queue, waiting at most `timeout` (default --generation-timeout) seconds and calling
+        `check` meanwhile."""
+        def checks():
+            check()
+            if self.stopping.is_set():
+                raise RuntimeError("the learner stopped")
+
+        return wait_for(source, what, self.args.generation_timeout if timeout is None else timeout, checks)
+
+    def _run(self):
+        args, world_size = self.args, self.args.world_size
+        try:
+            pin_vllm_to_its_cores(args)
+            loaded = self.first_version
+            for update in range(self.first_update, args.num_updates + 1):
+                t0 = time.time()
+                while loaded < generating_version(update, self.first_version, self.off_policy_steps):
+                    self.receivers.put(loaded + 1)  # for wait_for_receiver(): vLLM is idle until the next version
+                    # No deadline: the next version comes after the learner's update, evaluation and checkpoint,
+                    # however long they take; the learner's own waits are bounded, and its stopping ends this one.
+                    loaded, weights_path, finish, expected = self._take(self.versions, "waiting for new weights",
+                                                                        check=lambda: None, timeout=math.inf)
+                    if weights_path is not None:
+                        load_into_vllm(self.llm, weights_path)
+                        shutil.rmtree(weights_path, ignore_errors=True)
+                    if finish is not None:
+                        finish()
+                    if expected is not None:
+                        check_vllm_weights(self.llm, loaded, self.probe, expected, args.bf16)
+                t1 = time.time()
+                # Every rank's prompts, rank after rank, as the synchronous scripts choose them.
+                prompts = [self.train_prompts[i] for r in range(world_size) for i in
+                           prompt_batch(len(self.train_prompts), self.prompts_per_rank, update - 1, args.seed, r,
+                                        world_size)]
+                # Request i gets this seed + i: seeds never repeat across batches (vllm_generate() says why).
+                responses, logprobs = self.vllm_generate(self.llm, prompts, self.k, args.response_length, self.stop_id,
+                                                    args.temperature, seed=args.seed * 2**32 + update * args.batch_size)
+                # vLLM returns sample j of prompt p at j * len(prompts) + p, and rank r's prompt i is p =
+                # r * prompts_per_rank + i: regroup per rank, sample-major like the synchronous scripts' batches.
+                order = [[j * len(prompts) + r * self.prompts_per_rank + i for j in range(self.k)
+                          for i in range(self.prompts_per_rank)] for r in range(world_size)]
+                self.batches.put(GeneratedBatch(loaded, [[responses[n] for n in rank] for rank in order],
+                                                [[logprobs[n] for n in rank] for rank in order],
+                                                time.time() - t1, t1 - t0))
+        except BaseException as error:  # handed to the learner, which raises it
+            self.error = error
+
+
+def exit_on_signals():
+    """Make SIGTERM and SIGINT exit through the atexit clean-ups (vLLM's engine processes, the weights directory), also
+    while vLLM starts, where a KeyboardInterrupt would be lost. A job started with `&` keeps ignoring Ctrl-C."""
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        if signal.getsignal(signum) is not signal.SIG_IGN:
+            signal.signal(signum, lambda signum, frame: sys.exit(128 + signum))

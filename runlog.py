@@ -1,0 +1,82 @@
+"""The run's directory and record: metrics.jsonl (rank 0) and, with --track, wandb (with a code snapshot of the script
+and of these modules). Nothing here changes what is learned."""
+
+import json
+import os
+import shutil
+import sys
+import time
+from dataclasses import asdict
+
+import torch.distributed as dist
+from tqdm import tqdm
+
+from checkpoints import latest_checkpoint
+
+
+def run_directory(args):
+    """(name, directory) of the run: the resumed run's, or <output_dir>/<exp_name>__<seed>__<rank 0's time>."""
+    run_dir = os.path.dirname(os.path.abspath(latest_checkpoint(args.resume))) if args.resume else None
+    name = [os.path.basename(run_dir) if run_dir else f"{args.exp_name}__{args.seed}__{int(time.time())}"]
+    dist.broadcast_object_list(name, src=0)  # every rank uses rank 0's clock
+    return name[0], run_dir or os.path.join(os.path.abspath(args.output_dir), name[0])
+
+
+class RunLog:
+    """The run's record, written by rank 0: metrics.jsonl in the run directory (on resume, the lines logged
+    after the checkpoint are dropped), with --track wandb, and on the console a progress bar in episodes and each
+    evaluation's scores with two of its samples."""
+
+    def __init__(self, args, run_dir, run_name, start_update, episode):
+        self.writer, self.track = dist.get_rank() == 0, args.track
+        self.path = os.path.join(run_dir, "metrics.jsonl")
+        self.progress = tqdm(total=args.num_updates * args.batch_size, initial=episode, unit="ep",
+                             disable=not self.writer)
+        if not self.writer:
+            return
+        os.makedirs(run_dir, exist_ok=True)
+        if args.resume and os.path.exists(self.path):
+            with open(self.path) as f:
+                kept = [line for line in f if json.loads(line)["update"] <= start_update]
+            with open(self.path, "w") as f:
+                f.writelines(kept)
+        if self.track:
+            import wandb
+
+            self.wandb = wandb
+            wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, name=run_name, id=run_name,
+                       config=asdict(args), resume="allow" if args.resume else None, save_code=True)
+            # The code snapshot: save_code keeps the script; the modules of its directory that it imported join it
+            # (copied into the run's files, which wandb uploads).
+            here = os.path.dirname(os.path.abspath(sys.argv[0]))
+            os.makedirs(os.path.join(wandb.run.dir, "code"), exist_ok=True)
+            for module in list(sys.modules.values()):
+                path = os.path.abspath(getattr(module, "__file__", None) or "/")
+                if os.path.isfile(path) and os.path.dirname(path) == here and path != os.path.abspath(sys.argv[0]):
+                    shutil.copy(path, os.path.join(wandb.run.dir, "code", os.path.basename(path)))
+
+    def log(self, update, metrics, samples=None):
+        if not self.writer:
+            return
+        self.progress.update(metrics["episode"] - self.progress.n)
+        if "objective/scores" in metrics:  # (online DPO's KL is its pairs')
+            self.progress.set_postfix(score=f"{metrics['objective/scores']:.3f}",
+                                      kl=f"{metrics.get('objective/kl', metrics.get('pairs/kl')):.2f}",
+                                      eps=f"{metrics['time/episodes_per_second']:.0f}")
+        if samples and update:
+            scores = ", ".join(f"{k} {v:.3f}" for k, v in metrics.items() if k.startswith("eval/"))
+            tqdm.write(f"update {update}: {scores}")
+            for query, response, score in samples[:2]:
+                tqdm.write(f"  {query!r} -> {response!r} (score {score})")
+        with open(self.path, "a") as f:
+            f.write(json.dumps({"update": update, **metrics}) + "\n")
+        if self.track:
+            self.wandb.log(metrics, step=metrics["episode"])
+            if samples:
+                table = self.wandb.Table(columns=["query", "response", "score"], data=samples)
+                self.wandb.log({"eval/samples": table}, step=metrics["episode"])
+
+    def close(self):
+        self.progress.close()
+        if self.writer and self.track:
+            self.wandb.finish()

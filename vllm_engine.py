@@ -1,0 +1,216 @@
+"""The vLLM engine of the *_vllm.py scripts and evaluate.py: where it runs (which GPU, or which CPU cores), how much
+memory it takes, how its weights are replaced from a save_pretrained directory, bounded waits on it, and its shutdown.
+Nothing here changes what is learned; the sampling request itself is the script's (vllm_generate)."""
+
+import contextlib
+import os
+import queue
+import threading
+import time
+
+import torch
+from transformers import AutoConfig
+
+from checks import fail
+
+# vLLM logs about a hundred INFO lines around a run's own (start-up, compilation, shutdown): warnings only unless the
+# user sets VLLM_LOGGING_LEVEL (INFO shows them). Read when vLLM is first imported; its engine's processes inherit it.
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+
+
+def vllm_gpu_placement(env, num_node_gpus, vllm_gpu=None):
+    """vLLM's GPU: (its engine's CUDA_VISIBLE_DEVICES entry, the CUDA index on rank 0 of the training GPU it shares or
+    None when it has its own), a pure function of the launcher's environment. Training ranks use the first entries of
+    CUDA_VISIBLE_DEVICES (all GPUs when unset), one per local rank: as many as LOCAL_SIZE under deepspeed's launcher
+    (which sets CUDA_VISIBLE_DEVICES to exactly those), LOCAL_WORLD_SIZE under torchrun, 1 under `python`. vLLM takes
+    --vllm-gpu (a training GPU only if rank 0's, whose process hands vLLM the weights and leaves it memory), else the
+    next visible entry, else (deepspeed only: its --num_gpus hid the rest of the node) the first node GPU no rank uses,
+    else rank 0's GPU, shared. Entries are CUDA's own (indices in CUDA's order, UUIDs or MIG names), passed on
+    unchanged, so NVML's other numbering never enters; NVML only counts the node's GPUs."""
+    visible = env.get("CUDA_VISIBLE_DEVICES")
+    entries = [e.strip() for e in visible.split(",") if e.strip()] if visible else [str(i) for i in range(num_node_gpus)]
+    local_ranks = int(env.get("LOCAL_SIZE") or env.get("LOCAL_WORLD_SIZE") or 1)
+    training, rest = entries[:local_ranks], entries[local_ranks:]
+    if vllm_gpu is not None:
+        choice = str(vllm_gpu)
+        if choice in training[1:]:
+            fail("vllm_gpu", f"GPU {choice} is training rank {training.index(choice)}'s: vLLM may share rank 0's only")
+    elif rest:
+        choice = rest[0]
+    elif "LOCAL_SIZE" in env and all(e.isdigit() for e in training) and len(training) < num_node_gpus:
+        choice = next(str(i) for i in range(num_node_gpus) if str(i) not in training)
+    else:
+        choice = training[0]
+    return choice, (entries.index(choice) if choice in training else None)
+
+
+def vllm_memory_share(requested, free_bytes, total_bytes, gpu):
+    """vLLM's gpu_memory_utilization on a GPU training already uses, and the learner's share of the GPU then: vLLM
+    starts only if its share of the total memory is free once its process has a CUDA context (about 0.5 GiB; 1 GiB is
+    kept for it), and it frees and takes again its activations' memory at every batch, so the learner's allocator is
+    held to the rest (the learner, not vLLM, runs out of memory). Default: half the free memory (the rest is for
+    training's activations and optimizer state)."""
+    share = requested if requested is not None else int(50 * free_bytes / total_bytes) / 100
+    if share * total_bytes > free_bytes - 2**30 or (requested is None and share * total_bytes < 2**30):
+        fail("vllm_gpu_memory_utilization", f"GPU {gpu}, shared with training, has {free_bytes / 2**30:.1f} of "
+                                            f"{total_bytes / 2**30:.1f} GiB free, too little for vLLM to take "
+                                            f"{share:.2f} of it (give vLLM a GPU of its own with --vllm-gpu)")
+    return share, 1 - share - 2**30 / total_bytes
+
+
+def start_vllm(args, model_path, weight_transfer=False):
+    """A vLLM engine for `model_path` in its own process (vLLM's default) on its own device: CUDA_VISIBLE_DEVICES (GPU)
+    or VLLM_CPU_OMP_THREADS_BIND (CPU cores), which the engine process reads, are set only while it starts. With
+    `weight_transfer` it takes weights in memory (weight_transfer()): NCCL on a GPU of its own, CUDA IPC on one it
+    shares (on a CPU: vLLM's "nccl" engine, provided only by the tests' plugin tests/cpu_weight_transfer)."""
+    from vllm import LLM
+
+    # Log-probabilities returned with samples are those of the distribution sampled from (after temperature).
+    engine_args = dict(model=model_path, dtype="bfloat16" if args.bf16 else "float32", seed=args.seed,
+                       max_model_len=args.max_prompt_length + args.response_length, logprobs_mode="processed_logprobs",
+                       enforce_eager=args.vllm_enforce_eager, trust_remote_code=args.trust_remote_code)
+    if torch.cuda.is_available():
+        import pynvml  # counts the node's GPUs, also those the deepspeed launcher hid from this process
+
+        pynvml.nvmlInit()
+        gpu, shared = vllm_gpu_placement(os.environ, pynvml.nvmlDeviceGetCount(), args.vllm_gpu)
+        share = 0.9 if args.vllm_gpu_memory_utilization is None else args.vllm_gpu_memory_utilization
+        if shared is not None:
+            torch.cuda.empty_cache()  # blocks the learner's allocator holds but does not use are free for vLLM
+            share, learner = vllm_memory_share(args.vllm_gpu_memory_utilization, *torch.cuda.mem_get_info(shared), gpu)
+            torch.cuda.set_per_process_memory_fraction(learner, shared)
+            print(f"vLLM shares GPU {gpu} with training and takes {share:.2f} of its memory "
+                  "(--vllm-gpu-memory-utilization); it has no GPU of its own", flush=True)
+        else:
+            print(f"vLLM runs on GPU {gpu}, a GPU of its own (its engine's CUDA_VISIBLE_DEVICES)", flush=True)
+        env = {"CUDA_VISIBLE_DEVICES": gpu}
+        engine_args["gpu_memory_utilization"] = share
+    else:
+        cores = sorted(os.sched_getaffinity(0))[-args.vllm_cpu_cores:]
+        env = {"VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, cores))}
+        # vLLM on CPU would reserve most of the memory for its KV cache: bound it by one batch's keys and values.
+        config = AutoConfig.from_pretrained(model_path, trust_remote_code=args.trust_remote_code)
+        per_token = 2 * config.num_hidden_layers * config.hidden_size * (2 if args.bf16 else 4)
+        engine_args["kv_cache_memory_bytes"] = max(2 * per_token * args.batch_size * engine_args["max_model_len"],
+                                                   64 * 2**20)
+        # A prefill split over steps makes vLLM rewind its seeded sampler, which torch's CPU generator cannot do.
+        engine_args["enable_chunked_prefill"] = False
+        shared = None
+    if weight_transfer:
+        engine_args["weight_transfer_config"] = {"backend": "nccl" if shared is None else "ipc"}
+        if shared is not None:
+            allow_pickled_rpc(os.environ)
+    with environment(env):  # set while the engine starts, restored after
+        return LLM(**engine_args)
+
+
+@contextlib.contextmanager
+def environment(variables):
+    """Set environment `variables` for the block, then restore what was there."""
+    saved = {name: os.environ.get(name) for name in variables}
+    os.environ.update(variables)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def allow_pickled_rpc(environ):
+    """Let vLLM's RPC carry the CUDA IPC hand-off: its update names each buffer's CUDA handle with torch classes and a
+    dtype, which vLLM's msgpack encoder sends (pickled, over its local sockets between this process and its engine's)
+    only with VLLM_ALLOW_INSECURE_SERIALIZATION=1, read here at each call and by the engine's processes when they
+    start. Set for the run's whole life, before the engine starts."""
+    environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
+
+
+def pin_vllm_to_its_cores(args):
+    """On CPU, asynchronously: bind vLLM's work to its --vllm-cpu-cores; called by the generator thread.
+    VLLM_CPU_OMP_THREADS_BIND binds only the worker's compute threads. The engine-core process busy-waits
+    (sched_yield) for the worker at every decoding step, and in this process vLLM's output thread and the generator
+    decode and process every step's tokens: on the learner's cores they slow training (docs/results.md). So every thread of this process's children (vLLM's processes), that output thread and the
+    calling thread go to vLLM's cores. With --sync the learner is idle while vLLM generates: vLLM may use every core."""
+    if torch.cuda.is_available() or args.sync:
+        return
+    import psutil
+
+    cores = sorted(os.sched_getaffinity(0))[-args.vllm_cpu_cores:]
+    threads = [thread.id for child in psutil.Process().children(recursive=True) for thread in child.threads()]
+    threads += [t.native_id for t in threading.enumerate() if t.name == "EngineCoreOutputQueueThread"]
+    for thread in threads + [threading.get_native_id()]:
+        with contextlib.suppress(OSError):  # a thread that has ended since
+            os.sched_setaffinity(thread, cores)
+
+
+def tied_output_names(module):
+    """The names under which a model whose output layer is its input embedding (`tie_word_embeddings`: SmolLM2,
+    Qwen2.5 up to 3B, Llama 3.2, Gemma) holds that weight a second time, such as ["lm_head.weight"]; else []."""
+    embedding = module.get_input_embeddings().weight
+    names = [name for name, p in module.named_parameters(remove_duplicate=False) if p is embedding]
+    return names[1:]
+
+
+def write_for_vllm(module, state_dict, path):
+    """save_pretrained for vLLM: a tied output layer is written as a weight of its own, under a config that unties
+    it. vLLM 0.32 ties such a layer to its embedding when it first loads, and its reloads (both hand-offs) skip it
+    (`lm_head.*`): vLLM would go on sampling with the first weights' output layer. Untied, vLLM's copy costs one
+    more embedding matrix of memory and of every hand-off; the learner's model stays tied."""
+    tied = tied_output_names(module)
+    if tied:
+        embedding = state_dict[next(n for n, p in module.named_parameters() if p is module.get_input_embeddings().weight)]
+        state_dict = {**state_dict, **{name: embedding.clone() for name in tied}}
+    config = module.config.get_text_config()
+    saved = config.tie_word_embeddings
+    config.tie_word_embeddings = saved and not tied
+    try:
+        module.save_pretrained(path, state_dict=state_dict)
+    finally:
+        config.tie_word_embeddings = saved
+
+
+def load_into_vllm(llm, weights_path):
+    """Replace the engine's weights by a save_pretrained directory's (vLLM's in-place reload, in its worker process) and
+    empty the prefix cache: keyed by token ids, not weights, it would serve keys and values of the old weights."""
+    llm.collective_rpc("reload_weights", kwargs={"weights_path": weights_path})
+    llm.reset_prefix_cache()
+
+
+def in_thread(function, *args):
+    """Start function(*args) in a daemon thread, so that a call stuck in a dead engine can be left behind rather
+    than waited for; returns a queue that receives (its result, None) or (None, the exception it raised)."""
+    box = queue.Queue(1)
+
+    def run():
+        try:
+            box.put((function(*args), None))
+        except BaseException as error:
+            box.put((None, error))
+
+    threading.Thread(target=run, name=getattr(function, "__name__", "call"), daemon=True).start()
+    return box
+
+
+def wait_for(source, what, timeout, check):
+    """The next item of queue `source`, waiting at most `timeout` seconds; `check()` runs every 0.1 s meanwhile and
+    raises to stop the wait (the generator failed, vLLM's engine died)."""
+    deadline = time.time() + timeout
+    while True:
+        try:
+            return source.get(timeout=0.1)
+        except queue.Empty:
+            check()
+        if time.time() > deadline:
+            raise TimeoutError(f"{what} took more than {timeout} s (--generation-timeout)")
+
+
+def engine_dead(llm):
+    """Whether vLLM's engine process has died (a generate() already waiting on it then never returns)."""
+    return llm.llm_engine.engine_core.resources.engine_dead  # vLLM's private state: read here and in shut_down only
+
+
+def shut_down(llm):
+    """Stop vLLM's engine processes (LLM has no public call for it)."""
+    llm.llm_engine.engine_core.shutdown(timeout=30)

@@ -1,0 +1,268 @@
+"""Handing the learner's weights to vLLM after an update: through files (a save_pretrained directory vLLM reloads) or
+in memory (vLLM's weight transfer: NCCL to a GPU of its own, CUDA IPC on one it shares), every wait bounded; and the
+weight check, which stops the run if vLLM does not hold the learner's policy. Nothing here changes what is learned."""
+
+import atexit
+import contextlib
+import hashlib
+import math
+import os
+import shutil
+import sys
+import threading
+import time
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+from distributed import free_port, gathered_state_dict  # (first: it sets DS_ACCELERATOR before deepspeed is imported)
+import deepspeed
+
+from data import left_pad
+from vllm_engine import engine_dead, in_thread, wait_for, write_for_vllm
+
+
+def weights_root(run_dir, needed_bytes, shm="/dev/shm"):
+    """Where the weights handed to vLLM go: memory (/dev/shm) when it has room for `needed_bytes`, else the
+    run directory, said in one line. A container's /dev/shm is often 64 MB."""
+    if os.path.isdir(shm) and shutil.disk_usage(shm).free >= needed_bytes:
+        return shm
+    print(f"warning: {shm} has no room for {needed_bytes / 2**20:.0f} MiB of weights handed to vLLM; "
+          f"they go through {run_dir} (disk)", file=sys.stderr, flush=True)
+    return run_dir
+
+
+def save_for_vllm(policy, path):
+    """Write the policy's weights where vLLM can load them (write_for_vllm); every rank takes part, rank 0 writes."""
+    state_dict = gathered_state_dict(policy)
+    if dist.get_rank() == 0:
+        write_for_vllm(policy.module, state_dict, path)
+
+
+def weight_transfer(args, llm, module, rank):
+    """The learner's end of the in-memory weight hand-off: vLLM's trainer-side engine for the backend vLLM's engine
+    was started with (start_vllm: NCCL to a GPU of its own, CUDA IPC on one it shares), connected to it. Every rank
+    calls this and its send_weights(): rank 0 sends, the others take part in ZeRO-3's gathers."""
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+    from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo
+    from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
+
+    backend = [llm.llm_engine.vllm_config.weight_transfer_config.backend if rank == 0 else None]
+    if args.world_size > 1:  # the other ranks learn it from rank 0
+        dist.broadcast_object_list(backend, src=0)
+    source = PolicyWeights(module)
+    buffer_bytes = packed_buffer_bytes(source.metadata())
+    if backend[0] == "nccl":
+        info = NCCLTrainerInitInfo("127.0.0.1", free_port(), 2, rank=rank, packed_buffer_size_bytes=buffer_bytes)
+    else:  # packed: in bounded chunks (unpacked, it would keep a copy of every tensor until the update ends)
+        info = IPCTrainerInitInfo(rank=rank, packed=True, packed_buffer_size_bytes=buffer_bytes)
+    if rank != 0:
+        return WeightTransferTrainerFactory.trainer_init(info, client=None, source=source)
+    client = VllmClient(llm, args.generation_timeout)
+    with hand_off_watchdog("connecting to vLLM's worker", client):
+        return WeightTransferTrainerFactory.trainer_init(info, client=client, source=source)
+
+
+class PolicyWeights:
+    """The policy's parameters as vLLM's trainer-side weight transfer engines take them (a vLLM WeightSource): their
+    names, dtypes and shapes up front, then the tensors one at a time in the same order. Every rank iterates: under
+    ZeRO-3 each module's parameters are gathered in turn and released after, so no device holds the whole model.
+    A tied weight goes under each of its names: vLLM's copy is untied (write_for_vllm). `names` keeps only those."""
+
+    def __init__(self, module, names=None):
+        self.module, self.names = module, names
+
+    def _by_module(self):
+        for prefix, submodule in self.module.named_modules():
+            own = [(name, p) for name, p in submodule.named_parameters(prefix=prefix, recurse=False,
+                                                                        remove_duplicate=False)
+                   if self.names is None or name in self.names]
+            if own:
+                yield own
+
+    def metadata(self):
+        from vllm.distributed.weight_transfer.base import ParamMeta
+
+        return [ParamMeta(name, p.dtype, tuple(getattr(p, "ds_shape", p.shape)))  # ds_shape: ZeRO-3's full shape
+                for own in self._by_module() for name, p in own]
+
+    def __iter__(self):
+        for own in self._by_module():
+            with deepspeed.zero.GatheredParameters([p for _, p in own]):  # does nothing unless ZeRO-3 partitioned them
+                for name, p in own:  # a gathered parameter is copied: its memory goes when the context ends
+                    yield name, p.detach().clone() if hasattr(p, "ds_id") else p.detach()
+
+
+def packed_buffer_bytes(metadata, bound=256 * 2**20):
+    """Size of the buffers that vLLM's NCCL and CUDA IPC transfers pack parameters into: 256 MiB, or the largest
+    parameter's bytes if more (CUDA IPC packs into one buffer of exactly this size and refuses a larger tensor).
+    This GPU memory is outside vLLM's --vllm-gpu-memory-utilization share: CUDA IPC keeps one buffer on rank 0's GPU;
+    NCCL packs into two in flight on rank 0 and vLLM's worker receives into two, each up to this plus the largest
+    parameter (at vLLM's default, 1 GiB, that is 2 GiB or more on each side)."""
+    return max([bound] + [math.prod(m.shape) * m.dtype.itemsize for m in metadata])
+
+
+class VllmClient:
+    """vLLM's weight-sync calls on an engine (what vLLM's trainer-side weight transfer engines call: its
+    VLLMWeightSyncClient), each bounded: a hand-off that hangs, the field's most reported failure, ends
+    in an error naming its step, after `timeout` seconds or as soon as the engine process dies."""
+
+    def __init__(self, llm, timeout):
+        self.llm, self.timeout = llm, timeout
+        self.failure = None  # the error of a call that failed, for hand_off_watchdog()
+        self.abandoned = False  # set by hand_off_watchdog() when the learner's end fails: calls in flight end
+
+    def init_weight_transfer_engine(self, init_info):
+        self.call("init_weight_transfer_engine", {"init_info": init_info})
+
+    def start_weight_update(self):
+        self.call("start_weight_update")
+
+    def update_weights(self, update_info):
+        self.call("update_weights", {"update_info": update_info})
+
+    def finish_weight_update(self, weight_version=None):
+        self.call("finish_weight_update")
+        self.call("reset_prefix_cache")  # see load_into_vllm
+
+    def call(self, step, *request):
+        def check():
+            if engine_dead(self.llm):
+                raise RuntimeError(f"vLLM's engine process died during {step}")
+            if self.abandoned:
+                raise RuntimeError(f"{step} abandoned: the learner's end of the hand-off failed")
+
+        # The learner may be in a collective vLLM's worker left or never joins: hand_off_watchdog() must know at once.
+        try:
+            result, error = wait_for(in_thread(getattr(self.llm, step), *request), step, self.timeout, check)
+        except Exception as error:  # the engine died, or the call did not return in time
+            self.failure = f"weight hand-off: {error}"
+            raise
+        if error is not None:  # raised in vLLM's worker (out of memory for its buffers, ...)
+            cause = (str(error).strip().splitlines() or [type(error).__name__])[-1]  # a worker's traceback ends so
+            self.failure = f"weight hand-off: {step} failed in vLLM: {cause}"
+            raise error
+        return result
+
+
+@contextlib.contextmanager
+def hand_off_watchdog(step, client):
+    """Bound a hand-off step that may never return: in a collective (NCCL's broadcast, gloo's) whose other end died or
+    hangs, the learner waits for ever, out of any exception's reach. If the block still runs 5 s after `client` (a
+    VllmClient) reports a failed call, or 5 s past its timeout, print one line naming the step, run the atexit clean-ups
+    (vLLM's engine processes, the weights directory) and exit with code 1. Errors the block raises go the usual way,
+    and end the client's calls in flight: vLLM's NCCL sender leaves its worker's update_weights running in a thread
+    that Python joins at exit, which would otherwise wait for the worker (never, as it waits in the broadcast)."""
+    ended = threading.Event()
+
+    def watch():
+        started, failed = time.time(), None
+        while not ended.wait(0.1):
+            failed = failed or (client.failure and time.time())
+            if (failed and time.time() > failed + 5) or time.time() > started + client.timeout + 5:
+                message = client.failure or f"weight hand-off: {step} did not end in {client.timeout} s (--generation-timeout)"
+                print(f"error: {message}", file=sys.stderr, flush=True)
+                atexit._run_exitfuncs()  # the main thread, stuck, will never run them
+                os._exit(1)
+
+    threading.Thread(target=watch, name="hand-off watchdog", daemon=True).start()
+    try:
+        yield
+    except BaseException:
+        client.abandoned = True
+        raise
+    finally:
+        ended.set()
+
+
+def hand_over_weights(policy, version, *, memory_transfer, generator, weights_dir, expected=None):
+    """Give vLLM policy version `version`: in memory by `memory_transfer` (weight_transfer(), --weight-sync memory), or
+    if None (--weight-sync file) as a save_pretrained directory the generator loads; given `expected` (a WeightCheck), the generator then checks vLLM's weights. Every
+    rank calls this (`generator`: rank 0's, else None). Returns the seconds waited for older policies' batches."""
+    path, waited = None, 0.0
+    if memory_transfer is None:
+        path = os.path.join(weights_dir, f"policy-{version}")
+        save_for_vllm(policy, path)
+    else:
+        if generator is not None:  # vLLM's weights change between batches only, when the generator wants this version
+            start = time.time()
+            generator.wait_for_receiver(version)
+            waited = time.time() - start
+        try:
+            if torch.cuda.is_available():  # the optimizer's step may still run on the default stream, and vLLM's NCCL
+                torch.cuda.current_stream().synchronize()  # packer reads the parameters on streams of its own
+            client = getattr(memory_transfer, "client", None)  # rank 0's
+            with hand_off_watchdog(f"sending version {version}", client) if client else contextlib.nullcontext():
+                memory_transfer.send_weights()
+        except Exception as error:
+            if generator is not None:  # the likeliest cause: vLLM's engine died ("the generator failed: ...")
+                generator.raise_if_failed()
+            raise RuntimeError(f"handing version {version} of the policy to vLLM failed: {error}") from error
+    if generator is not None:
+        generator.publish(version, path, finish=getattr(memory_transfer, "finish", None), expected=expected)
+    return waited
+
+
+class WeightCheck(NamedTuple):
+    """What vLLM must hold after loading a policy version, per the learner at hand-over (check_vllm_weights() compares):
+    the probe tokens' log-probabilities and the digests of the parameters that matched when vLLM started."""
+    logprobs: list
+    digests: dict
+
+
+class WeightsDiffer(Exception):
+    """vLLM does not hold the learner's weights: the run stops with this one line."""
+
+
+# The mean |difference| of log-probabilities allowed, by --bf16 (what vLLM and the learner give with the same weights:
+# docs/online_dpo_vllm.md, the weight check).
+PROBE_TOLERANCE = {False: 1e-3, True: 0.25}
+
+
+def weight_digests(named_tensors):
+    """sha256 of each tensor's bytes, as vLLM's own compute_weight_checksums hashes its parameters."""
+    return {name: hashlib.sha256(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy()).hexdigest()
+            for name, t in named_tensors}
+
+
+def vllm_digests(llm):
+    """vLLM's digest of each parameter of its model (one worker: no tensor parallelism), by parameter name."""
+    (digests,) = llm.collective_rpc("compute_weight_checksums")
+    return {name.rsplit(":", 1)[-1]: digest for name, digest in digests.items()}  # "dp0:pp0:pcp0:tp0:<name>"
+
+
+@torch.no_grad()
+def expected_weights(policy, probe, names, pad_token_id, device):
+    """The WeightCheck vLLM must pass when it holds the learner's current policy (all ranks take part; rank 0's is
+    used): log-probabilities at temperature 1 of each probe sequence's tokens after its first, and digests of `names`
+    (None: all parameters, under each name)."""
+    ids = left_pad(probe, pad_token_id, device)
+    mask = ids != pad_token_id  # padding reads token 0 (its id may lie past the vocabulary) and is cut off below
+    ids = ids.masked_fill(~mask, 0)
+    logits = policy(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(1) - 1).clamp(min=0),
+                    use_cache=False).logits[:, :-1].float()
+    logprobs = torch.log_softmax(logits, -1).gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+    digests = weight_digests(PolicyWeights(policy.module, names))
+    return WeightCheck([row[len(row) - len(p) + 1:].tolist() for row, p in zip(logprobs, probe)], digests)
+
+
+def check_vllm_weights(llm, version, probe, expected, bf16):
+    """Raise WeightsDiffer (the run stops) unless vLLM holds policy version `version`: its prompt log-probabilities of
+    the probe (temperature 1) within PROBE_TOLERANCE of the learner's, every expected digest equal."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    sampling = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0, detokenize=False)
+    outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in probe], sampling, use_tqdm=False)
+    vllm_logprobs = [[step[token].logprob for token, step in zip(p[1:], out.prompt_logprobs[1:])]
+                     for p, out in zip(probe, outputs)]
+    difference = torch.tensor([v - e for got, want in zip(vllm_logprobs, expected.logprobs)
+                               for v, e in zip(got, want)]).abs()
+    digests = vllm_digests(llm) if expected.digests else {}
+    differ = [name for name, digest in expected.digests.items() if digests.get(name) != digest]
+    if differ or not difference.mean() <= PROBE_TOLERANCE[bf16]:
+        where = (f"parameters that differ: {', '.join(differ[:3])}{' ...' if len(differ) > 3 else ''}" if differ else
+                 f"largest at probe token {difference.argmax().item()}; no parameter vLLM keeps as the learner does differs")
+        raise WeightsDiffer(f"vLLM does not hold version {version} of the learner's policy: its log-probabilities of "
+                            f"the probe differ by {difference.mean():.2e} on average (tolerance "
+                            f"{PROBE_TOLERANCE[bf16]:.0e}); {where} (--check-weights-every)")
