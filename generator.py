@@ -17,11 +17,13 @@ import threading
 import time
 from typing import NamedTuple
 
+import torch
 import torch.distributed as dist
 from transformers import AutoTokenizer
 
 from data import prompt_batch
-from vllm_engine import engine_dead, load_into_vllm, pin_vllm_to_its_cores, shut_down, start_vllm, wait_for
+from vllm_engine import (engine_dead, in_memory_backend, load_into_vllm, pin_vllm_to_its_cores, shut_down, start_vllm,
+                         vllm_gpu, wait_for)
 from weight_handoff import (VllmClient, WeightsDiffer, check_vllm_weights, expected_weights, save_for_vllm,
                             vllm_digests, weight_transfer, weights_root)
 
@@ -42,6 +44,16 @@ def start_generation(args, policy, run_name, run_dir, rank, device, tokenizer, t
     hand-off, weight_transfer(), or None with --weight-sync file; the versions' directory; the parameters the weight
     check digests, None: all). `vllm_generate` is the script's sampling request."""
     off_policy_steps = 0 if args.sync else args.off_policy_steps  # K
+    if args.weight_sync == "memory":  # rank 0 (vLLM's) decides: CUDA IPC leaks with several training ranks
+        shared = vllm_gpu(args)[1] if rank == 0 and torch.cuda.is_available() else None
+        backend = [in_memory_backend(shared, args.world_size)]
+        dist.broadcast_object_list(backend, src=0)
+        if backend[0] is None:
+            args.weight_sync = "file"
+            if rank == 0:
+                print(f"vLLM shares rank 0's GPU with {args.world_size} training ranks: the weights go through files "
+                      "(--weight-sync file); vLLM's CUDA IPC hand-off would strand a buffer on every other rank "
+                      "at every update", flush=True)
     version_bytes = sum(getattr(p, "ds_numel", p.numel()) for p in policy.module.parameters()) * (2 if args.bf16 else 4)
     copies = off_policy_steps + 1 if args.weight_sync == "file" else 1
     root = weights_root(run_dir, copies * version_bytes) if rank == 0 else run_dir  # only rank 0 writes
@@ -53,15 +65,17 @@ def start_generation(args, policy, run_name, run_dir, rank, device, tokenizer, t
     llm = generator = None
     if rank == 0:
         AutoTokenizer.from_pretrained(args.sft_model_path, trust_remote_code=args.trust_remote_code).save_pretrained(first)
-        llm = start_vllm(args, first, args.weight_sync == "memory")
+        largest = max(getattr(p, "ds_numel", p.numel()) * p.element_size() for p in policy.module.parameters())
+        llm = start_vllm(args, first, args.weight_sync == "memory", largest)
         shutil.rmtree(first)
         generator = GenerationThread(args, llm, vllm_generate, weights_dir=weights_dir, train_prompts=train_prompts,
                               prompts_per_rank=prompts_per_rank, k=k, stop_id=stop_id, first_version=start_update,
                               off_policy_steps=off_policy_steps, probe=probe, resumed_batches=resumed_batches)
         atexit.register(generator.close)  # on every way out: the end, an error, Ctrl-C, SIGTERM
     # The weight check (--check-weights-every): vLLM's log-probabilities of the probe against the learner's, and the
-    # digests of the parameters vLLM keeps as the learner does (found now: every one on a GPU; on a CPU vLLM repacks
-    # its linear layers, so embeddings and norms), first here, then after hand-offs.
+    # digests of the tensors vLLM keeps as the learner does (found now: on a GPU every one, the fused q/k/v and gate/up
+    # included, weight_handoff.FUSED; on a CPU vLLM repacks its linear layers, so embeddings and norms), first here,
+    # then after hand-offs.
     checked_names = [None]
     if args.check_weights_every:
         expected = expected_weights(policy, probe, None, tokenizer.pad_token_id, device)

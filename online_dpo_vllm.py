@@ -405,7 +405,7 @@ def generate(model, queries, pad_token_id, stop_token_id, response_length, tempe
     """Sample (or, with temperature None, greedily decode) responses to left-padded queries: HF generate()'s loop (the
     same tokens for the same seed) with a preallocated KV cache and without its per-step machinery (logits processors,
     stopping criteria), which costs more than a small model's arithmetic. After its stop token a response gets
-    padding; the loop ends when all have one. Padded positions read token 0 (see load_tokenizer)."""
+    padding; the loop ends when all have one. Padded positions read token 0 (see data.load_tokenizer)."""
     attention_mask = queries != pad_token_id
     position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
     cache = StaticCache(config=model.config, max_cache_len=queries.shape[1] + response_length)
@@ -442,7 +442,7 @@ def truncate_response(responses, stop_token_id, pad_token_id):
 
 def forward(model, query_responses, pad_token_id):
     """Run a model on left-padded queries followed by right-padded responses; padded positions are masked and read
-    token 0 (the pad id may lie outside the model's vocabulary, see load_tokenizer)."""
+    token 0 (the pad id may lie outside the model's vocabulary, see data.load_tokenizer)."""
     attention_mask = query_responses != pad_token_id
     position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
     return model(input_ids=query_responses.masked_fill(~attention_mask, 0), attention_mask=attention_mask,
@@ -451,7 +451,7 @@ def forward(model, query_responses, pad_token_id):
 
 def response_logprobs(logits, responses, context_length, temperature):
     """Log-probabilities of the response tokens under logits divided by the sampling temperature. Padding gets a
-    number that callers mask: its id may lie past the vocabulary (load_tokenizer), so it reads the last row."""
+    number that callers mask: its id may lie past the vocabulary (data.load_tokenizer), so it reads the last row."""
     logits = logits[:, context_length - 1: -1].float() / temperature
     tokens = responses.clamp(max=logits.shape[-1] - 1)
     return torch.log_softmax(logits, dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)

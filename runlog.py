@@ -1,5 +1,6 @@
-"""The run's directory and record: metrics.jsonl (rank 0) and, with --track, wandb (with a code snapshot of the script
-and of these modules). Nothing here changes what is learned."""
+"""The run's directory and record: metrics.jsonl (rank 0), with --track wandb (with a code snapshot of the script and of
+these modules), and on the console the progress bar and each evaluation's scores.
+Nothing here changes what is learned."""
 
 import json
 import os

@@ -44,44 +44,89 @@ def vllm_gpu_placement(env, num_node_gpus, vllm_gpu=None):
     return choice, (entries.index(choice) if choice in training else None)
 
 
-def vllm_memory_share(requested, free_bytes, total_bytes, gpu):
+def vllm_gpu(args):
+    """vllm_gpu_placement() on this node: NVML counts its GPUs, also those the deepspeed launcher hid from this process."""
+    import pynvml
+
+    pynvml.nvmlInit()
+    return vllm_gpu_placement(os.environ, pynvml.nvmlDeviceGetCount(), args.vllm_gpu)
+
+
+def in_memory_backend(shared, training_ranks):
+    """vLLM's weight-transfer backend for --weight-sync memory: NCCL to a GPU of its own; CUDA IPC on the GPU it shares
+    with training rank 0, with one training rank only: vLLM's IPC engine packs and exports a buffer on every rank, its
+    one worker imports rank 0's, and torch keeps an exported block allocated until a consumer releases it, so every
+    other rank would strand a buffer at each hand-off. None then: the weights go through files."""
+    if shared is None:
+        return "nccl"
+    return "ipc" if training_ranks == 1 else None
+
+
+def packed_buffer_bytes(largest_bytes, bound=256 * 2**20):
+    """Size of the buffer that vLLM's NCCL and CUDA IPC transfers pack parameters into: 256 MiB, or the largest
+    parameter's bytes if more (CUDA IPC packs into one buffer of exactly this size and refuses a larger tensor; vLLM's
+    default, 1 GiB, is too small for a 152k x 3584 embedding and large for a small model). One buffer per side (NCCL:
+    packed_num_buffers=1, weight_handoff.weight_transfer), each up to this plus one parameter."""
+    return max(bound, largest_bytes)
+
+
+def hand_off_bytes(largest_bytes, received):
+    """At most the GPU memory that loading new weights takes in vLLM's process beyond its share: layer-wise reload's
+    fresh copy of the layer being loaded (a fused one, such as gate_up_proj, up to twice the largest parameter) and,
+    with the weights `received` over NCCL, the packed chunk (its buffer, overshot by up to one parameter)."""
+    return 2 * largest_bytes + (packed_buffer_bytes(largest_bytes) + largest_bytes if received else 0)
+
+
+LEARNER_CONTEXT = 2**29  # the learner's CUDA context and cuBLAS workspaces: outside its allocator's cap
+
+
+def vllm_memory_share(requested, free_bytes, total_bytes, gpu, hand_off):
     """vLLM's gpu_memory_utilization on a GPU training already uses, and the learner's share of the GPU then: vLLM
     starts only if its share of the total memory is free once its process has a CUDA context (about 0.5 GiB; 1 GiB is
     kept for it), and it frees and takes again its activations' memory at every batch, so the learner's allocator is
-    held to the rest (the learner, not vLLM, runs out of memory). Default: half the free memory (the rest is for
-    training's activations and optimizer state)."""
+    held to the rest (the learner, not vLLM, runs out of memory): less vLLM's context, the learner's own context
+    (LEARNER_CONTEXT) and the `hand_off` bytes vLLM takes beyond its share (hand_off_bytes()). Default: half the free
+    memory (the rest is for training's activations and optimizer state)."""
     share = requested if requested is not None else int(50 * free_bytes / total_bytes) / 100
     if share * total_bytes > free_bytes - 2**30 or (requested is None and share * total_bytes < 2**30):
         fail("vllm_gpu_memory_utilization", f"GPU {gpu}, shared with training, has {free_bytes / 2**30:.1f} of "
                                             f"{total_bytes / 2**30:.1f} GiB free, too little for vLLM to take "
                                             f"{share:.2f} of it (give vLLM a GPU of its own with --vllm-gpu)")
-    return share, 1 - share - 2**30 / total_bytes
+    return share, 1 - share - (2**30 + LEARNER_CONTEXT + hand_off) / total_bytes
 
 
-def start_vllm(args, model_path, weight_transfer=False):
+def own_gpu_share(requested, total_bytes, hand_off):
+    """vLLM's gpu_memory_utilization on a GPU of its own: 0.9 less the `hand_off` bytes it takes beyond its share
+    (hand_off_bytes()), rounded down to a hundredth, unless --vllm-gpu-memory-utilization names one."""
+    return requested if requested is not None else int(100 * (0.9 - hand_off / total_bytes)) / 100
+
+
+def start_vllm(args, model_path, weight_transfer=False, largest_bytes=0):
     """A vLLM engine for `model_path` in its own process (vLLM's default) on its own device: CUDA_VISIBLE_DEVICES (GPU)
     or VLLM_CPU_OMP_THREADS_BIND (CPU cores), which the engine process reads, are set only while it starts. With
-    `weight_transfer` it takes weights in memory (weight_transfer()): NCCL on a GPU of its own, CUDA IPC on one it
-    shares (on a CPU: vLLM's "nccl" engine, provided only by the tests' plugin tests/cpu_weight_transfer)."""
+    `weight_transfer` it takes weights in memory (weight_transfer()): in_memory_backend()'s (on a CPU: vLLM's "nccl"
+    engine, provided only by the tests' plugin tests/cpu_weight_transfer). Its memory share leaves room for loading new
+    weights, whose largest parameter has `largest_bytes` (hand_off_bytes())."""
     from vllm import LLM
 
     # Log-probabilities returned with samples are those of the distribution sampled from (after temperature).
     engine_args = dict(model=model_path, dtype="bfloat16" if args.bf16 else "float32", seed=args.seed,
                        max_model_len=args.max_prompt_length + args.response_length, logprobs_mode="processed_logprobs",
                        enforce_eager=args.vllm_enforce_eager, trust_remote_code=args.trust_remote_code)
+    backend = "nccl" if weight_transfer else None
     if torch.cuda.is_available():
-        import pynvml  # counts the node's GPUs, also those the deepspeed launcher hid from this process
-
-        pynvml.nvmlInit()
-        gpu, shared = vllm_gpu_placement(os.environ, pynvml.nvmlDeviceGetCount(), args.vllm_gpu)
-        share = 0.9 if args.vllm_gpu_memory_utilization is None else args.vllm_gpu_memory_utilization
+        gpu, shared = vllm_gpu(args)
+        backend = in_memory_backend(shared, args.world_size) if weight_transfer else None
+        hand_off = hand_off_bytes(largest_bytes, received=backend == "nccl")
         if shared is not None:
             torch.cuda.empty_cache()  # blocks the learner's allocator holds but does not use are free for vLLM
-            share, learner = vllm_memory_share(args.vllm_gpu_memory_utilization, *torch.cuda.mem_get_info(shared), gpu)
+            share, learner = vllm_memory_share(args.vllm_gpu_memory_utilization, *torch.cuda.mem_get_info(shared), gpu,
+                                               hand_off)
             torch.cuda.set_per_process_memory_fraction(learner, shared)
             print(f"vLLM shares GPU {gpu} with training and takes {share:.2f} of its memory "
                   "(--vllm-gpu-memory-utilization); it has no GPU of its own", flush=True)
-        else:
+        else:  # (its total memory: rank 0's GPU's, the node's GPUs taken to be alike; vLLM's may be hidden from here)
+            share = own_gpu_share(args.vllm_gpu_memory_utilization, torch.cuda.mem_get_info(0)[1], hand_off)
             print(f"vLLM runs on GPU {gpu}, a GPU of its own (its engine's CUDA_VISIBLE_DEVICES)", flush=True)
         env = {"CUDA_VISIBLE_DEVICES": gpu}
         engine_args["gpu_memory_utilization"] = share
@@ -96,9 +141,9 @@ def start_vllm(args, model_path, weight_transfer=False):
         # A prefill split over steps makes vLLM rewind its seeded sampler, which torch's CPU generator cannot do.
         engine_args["enable_chunked_prefill"] = False
         shared = None
-    if weight_transfer:
-        engine_args["weight_transfer_config"] = {"backend": "nccl" if shared is None else "ipc"}
-        if shared is not None:
+    if backend is not None:
+        engine_args["weight_transfer_config"] = {"backend": backend}
+        if backend == "ipc":
             allow_pickled_rpc(os.environ)
     with environment(env):  # set while the engine starts, restored after
         return LLM(**engine_args)

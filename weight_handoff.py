@@ -7,6 +7,7 @@ import contextlib
 import hashlib
 import math
 import os
+import re
 import shutil
 import sys
 import threading
@@ -19,7 +20,7 @@ from distributed import free_port, gathered_state_dict  # (first: it sets DS_ACC
 import deepspeed
 
 from data import left_pad
-from vllm_engine import engine_dead, in_thread, wait_for, write_for_vllm
+from vllm_engine import engine_dead, in_thread, packed_buffer_bytes, wait_for, write_for_vllm
 
 
 def weights_root(run_dir, needed_bytes, shm="/dev/shm"):
@@ -51,9 +52,10 @@ def weight_transfer(args, llm, module, rank):
     if args.world_size > 1:  # the other ranks learn it from rank 0
         dist.broadcast_object_list(backend, src=0)
     source = PolicyWeights(module)
-    buffer_bytes = packed_buffer_bytes(source.metadata())
-    if backend[0] == "nccl":
-        info = NCCLTrainerInitInfo("127.0.0.1", free_port(), 2, rank=rank, packed_buffer_size_bytes=buffer_bytes)
+    buffer_bytes = packed_buffer_bytes(max(math.prod(m.shape) * m.dtype.itemsize for m in source.metadata()))
+    if backend[0] == "nccl":  # one buffer: vLLM 0.32's receiver could reissue a block still read on another stream
+        info = NCCLTrainerInitInfo("127.0.0.1", free_port(), 2, rank=rank, packed_buffer_size_bytes=buffer_bytes,
+                                   packed_num_buffers=1)
     else:  # packed: in bounded chunks (unpacked, it would keep a copy of every tensor until the update ends)
         info = IPCTrainerInitInfo(rank=rank, packed=True, packed_buffer_size_bytes=buffer_bytes)
     if rank != 0:
@@ -91,15 +93,6 @@ class PolicyWeights:
             with deepspeed.zero.GatheredParameters([p for _, p in own]):  # does nothing unless ZeRO-3 partitioned them
                 for name, p in own:  # a gathered parameter is copied: its memory goes when the context ends
                     yield name, p.detach().clone() if hasattr(p, "ds_id") else p.detach()
-
-
-def packed_buffer_bytes(metadata, bound=256 * 2**20):
-    """Size of the buffers that vLLM's NCCL and CUDA IPC transfers pack parameters into: 256 MiB, or the largest
-    parameter's bytes if more (CUDA IPC packs into one buffer of exactly this size and refuses a larger tensor).
-    This GPU memory is outside vLLM's --vllm-gpu-memory-utilization share: CUDA IPC keeps one buffer on rank 0's GPU;
-    NCCL packs into two in flight on rank 0 and vLLM's worker receives into two, each up to this plus the largest
-    parameter (at vLLM's default, 1 GiB, that is 2 GiB or more on each side)."""
-    return max([bound] + [math.prod(m.shape) * m.dtype.itemsize for m in metadata])
 
 
 class VllmClient:
@@ -219,10 +212,28 @@ class WeightsDiffer(Exception):
 PROBE_TOLERANCE = {False: 1e-3, True: 0.25}
 
 
-def weight_digests(named_tensors):
-    """sha256 of each tensor's bytes, as vLLM's own compute_weight_checksums hashes its parameters."""
-    return {name: hashlib.sha256(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy()).hexdigest()
-            for name, t in named_tensors}
+# vLLM fuses q/k/v projections into one qkv_proj and gate/up into gate_up_proj, in that order along the output
+# dimension; on CUDA an unquantized fused weight is its parts' bytes one after the other.
+FUSED = ((re.compile(r"(.*)\.[qkv]_proj\.(weight|bias)$"), r"\1.qkv_proj.\2"),
+         (re.compile(r"(.*)\.(gate|up)_proj\.weight$"), r"\1.gate_up_proj.weight"))
+
+
+def fused_name(name):
+    """The name of the tensor vLLM fuses parameter `name` into, or None."""
+    return next((pattern.sub(fused, name) for pattern, fused in FUSED if pattern.match(name)), None)
+
+
+def weight_digests(named_tensors, names=None):
+    """sha256 of each tensor's bytes, as vLLM's own compute_weight_checksums hashes its parameters, and of each fused
+    tensor vLLM makes of several (fused_name(): its parts' bytes in the order they come, that of the model's modules:
+    q, k, v and gate, up); only `names` (None: all)."""
+    hashes = {}
+    for name, tensor in named_tensors:
+        data = tensor.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy()
+        for key in (name, fused_name(name)):
+            if key is not None and (names is None or key in names):
+                hashes.setdefault(key, hashlib.sha256()).update(data)
+    return {name: digest.hexdigest() for name, digest in hashes.items()}
 
 
 def vllm_digests(llm):
@@ -235,14 +246,16 @@ def vllm_digests(llm):
 def expected_weights(policy, probe, names, pad_token_id, device):
     """The WeightCheck vLLM must pass when it holds the learner's current policy (all ranks take part; rank 0's is
     used): log-probabilities at temperature 1 of each probe sequence's tokens after its first, and digests of `names`
-    (None: all parameters, under each name)."""
+    (None: all parameters, under each name, and the tensors vLLM fuses from them)."""
     ids = left_pad(probe, pad_token_id, device)
     mask = ids != pad_token_id  # padding reads token 0 (its id may lie past the vocabulary) and is cut off below
     ids = ids.masked_fill(~mask, 0)
     logits = policy(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(1) - 1).clamp(min=0),
                     use_cache=False).logits[:, :-1].float()
     logprobs = torch.log_softmax(logits, -1).gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1)
-    digests = weight_digests(PolicyWeights(policy.module, names))
+    parts = None if names is None else {name for name, _ in policy.module.named_parameters(remove_duplicate=False)
+                                        if name in names or fused_name(name) in names}
+    digests = weight_digests(PolicyWeights(policy.module, parts), names)
     return WeightCheck([row[len(row) - len(p) + 1:].tolist() for row, p in zip(logprobs, probe)], digests)
 
 

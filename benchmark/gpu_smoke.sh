@@ -17,8 +17,9 @@
 #         is where NCCL meets CPU tensors (gloo beside it), bf16, and vLLM's memory check.
 # 2 GPUs: rloo.py and ppo.py under ZeRO-3 (collectives on NCCL, parameters gathered per module); grpo.py as DAPO
 #         (its token count all-reduced); rloo_vllm.py with one training rank and vLLM on GPU 1 (the NCCL hand-off;
-#         the same scores through files); deepspeed --num_gpus 2 rloo_vllm.py with vLLM sharing GPU 0 (CUDA IPC
-#         with two training ranks).
+#         the same scores through files); deepspeed --num_gpus 2 rloo_vllm.py with vLLM sharing GPU 0: through
+#         files (CUDA IPC would strand a buffer on rank 1 at every update), said in one line; and the mechanism
+#         itself: four CUDA-IPC-exported 256 MiB buffers that no process imports stay allocated after they are dropped.
 # 3 GPUs: deepspeed --num_gpus 2 online_dpo_vllm.py with ZeRO-3: vLLM on GPU 2 (as the run reports it), K = 2
 #         off-policy steps, weights gathered and handed over every update by NCCL.
 set -uo pipefail
@@ -145,7 +146,7 @@ EOF
   else echo "SKIP the real-model checks (assets/make_smollm2.py failed: $out/make_smollm2.log)"; fi
 else echo "SKIP vLLM checks (vllm is not installed)"; fi
 
-# 2 GPUs: ZeRO-3 over NCCL; the NCCL hand-off with one training rank; CUDA IPC with two
+# 2 GPUs: ZeRO-3 over NCCL; the NCCL hand-off with one training rank; files with two sharing vLLM's GPU
 if [ "$gpus" -ge 2 ]; then
   for script in rloo ppo; do
     check "2gpu_zero3_$script" deepspeed --num_gpus 2 "$script.py" --deepspeed-config ds_configs/zero3.json --bf16 \
@@ -156,6 +157,17 @@ if [ "$gpus" -ge 2 ]; then
   check 2gpu_grpo_dapo deepspeed --num_gpus 2 grpo.py --loss-type dapo --bf16 --per-device-train-batch-size 32 \
     --total-episodes 192 --eval-every 1 --num-eval-prompts 64 --output-dir "$out/2gpu_grpo"
   check 2gpu_grpo_dapo_metrics metrics_ok "$out/2gpu_grpo" 3
+  # Why two ranks sharing vLLM's GPU hand over through files: a CUDA IPC export that no process imports stays
+  # allocated (torch's sent-data counter starts at 1), as vLLM's IPC engine leaves one on every rank but rank 0.
+  check 2gpu_ipc_exports_are_kept python -c "
+import torch
+from torch.multiprocessing.reductions import reduce_tensor
+buffers = [torch.empty(256 * 2**20, dtype=torch.uint8, device='cuda') for _ in range(4)]
+handles = [reduce_tensor(b) for b in buffers]
+del buffers; torch.cuda.ipc_collect(); torch.cuda.empty_cache()
+kept = torch.cuda.memory_allocated() / 2**20
+print(f'{kept:.0f} MiB of 1024 MiB exported and dropped stay allocated')
+assert kept >= 1024, kept"
   if python -c "import vllm" 2>/dev/null; then
     check 2gpu_rloo_vllm_nccl bash -c "$(declare -f run1); CUDA_VISIBLE_DEVICES=0,1 run1 rloo_vllm.py $vllm_flags --output-dir $out/2gpu_nccl"
     check 2gpu_rloo_vllm_nccl_metrics metrics_ok "$out/2gpu_nccl" 4 0 1 1 1
@@ -164,10 +176,11 @@ if [ "$gpus" -ge 2 ]; then
     check 2gpu_rloo_vllm_file bash -c "$(declare -f run1); CUDA_VISIBLE_DEVICES=0,1 run1 rloo_vllm.py --weight-sync file $vllm_flags --output-dir $out/2gpu_file"
     check 2gpu_nccl_and_file_agree same_scores "$out/2gpu_nccl" "$out/2gpu_file"
     # --vllm-gpu 0: on a machine with a third GPU vLLM would take it (NCCL) rather than share
-    check 2gpu_rloo_vllm_ipc_2_ranks deepspeed --num_gpus 2 rloo_vllm.py --vllm-gpu 0 --bf16 $vllm_flags --per-device-train-batch-size 32 \
-      --total-episodes 256 --eval-every 2 --num-eval-prompts 64 --output-dir "$out/2gpu_ipc"
-    check 2gpu_rloo_vllm_ipc_2_ranks_metrics metrics_ok "$out/2gpu_ipc" 4 0 1 1 1
-    check 2gpu_vllm_shares_gpu_0 grep -q "vLLM shares GPU 0 with training" "$out/2gpu_rloo_vllm_ipc_2_ranks.log"
+    check 2gpu_rloo_vllm_shared_2_ranks deepspeed --num_gpus 2 rloo_vllm.py --vllm-gpu 0 --bf16 $vllm_flags --per-device-train-batch-size 32 \
+      --total-episodes 256 --eval-every 2 --num-eval-prompts 64 --output-dir "$out/2gpu_shared"
+    check 2gpu_rloo_vllm_shared_2_ranks_metrics metrics_ok "$out/2gpu_shared" 4 0 1 1 1
+    check 2gpu_vllm_shares_gpu_0 grep -q "vLLM shares GPU 0 with training" "$out/2gpu_rloo_vllm_shared_2_ranks.log"
+    check 2gpu_shared_2_ranks_through_files grep -q "training ranks: the weights go through files" "$out/2gpu_rloo_vllm_shared_2_ranks.log"
   else echo "SKIP 2-GPU vLLM checks (vllm is not installed)"; fi
 else echo "SKIP 2-GPU checks (1 GPU)"; fi
 

@@ -189,6 +189,8 @@ def run_ours(script, precision, workload, updates, output_dir, quick, task="tiny
     # time/episodes_per_second counts from the start of the 1st update, so episode / eps is the time at the end of an update.
     end = [row["episode"] / row["time/episodes_per_second"] for row in rows]
     timed = rows[2:]
+    for row in timed:  # generation: the learner's (HF) or vLLM's, in the background when asynchronous
+        row["time/generation"] = row.get("time/generation", row.get("time/vllm_generation"))
     phases = {name: statistics.mean(row.get(f"time/{name}", 0.0) for row in timed)
               for name in ("generation", "generation_wait", "scoring", "training", "weight_sync")}
     return {"eps": (rows[-1]["episode"] - rows[1]["episode"]) / (end[-1] - end[1]), **phases,
@@ -205,6 +207,11 @@ def run_trl(trainer, precision, workload, updates, output_dir, task="tiny"):
         return json.load(f)
 
 
+def trl_device():
+    """TRL's device arguments: the device our scripts train on (a GPU when there is one), so both run on the same."""
+    return {"use_cpu": not torch.cuda.is_available()}
+
+
 def trl_worker(trainer, precision, workload, updates, output, task="tiny"):
     """One TRL run on the workload with its fastest fair settings; writes the update end times."""
     from datasets import load_dataset
@@ -217,7 +224,7 @@ def trl_worker(trainer, precision, workload, updates, output, task="tiny"):
             self.times.append(time.time())
 
     common = dict(output_dir=os.path.dirname(output), max_steps=updates, learning_rate=2e-5, temperature=TEMPERATURE,
-                  top_k=0, top_p=1.0, gradient_checkpointing=False, bf16=precision == "bf16", use_cpu=True,
+                  top_k=0, top_p=1.0, gradient_checkpointing=False, bf16=precision == "bf16", **trl_device(),
                   report_to=[], save_strategy="no", logging_steps=10 ** 6, disable_dropout=True, seed=1)
     if task == "smollm2":
         from trl import RLOOConfig, RLOOTrainer

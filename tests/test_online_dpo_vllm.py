@@ -1,4 +1,5 @@
-"""online_dpo_vllm.py's own parts: weights handed to vLLM, generator failure. (Its runs, learning,
+"""The asynchronous machinery (weight_handoff.py, vllm_engine.py, generator.py) as online_dpo_vllm.py drives it:
+weights handed to vLLM, generator failure. (Its runs, learning,
 resume, off-policy steps under DeepSpeed and bad input are in test_scripts_run.py with the other scripts.)"""
 
 import contextlib
@@ -117,7 +118,7 @@ def test_after_a_weight_push_vllm_greedy_equals_hf_greedy(tmp_path, monkeypatch,
         # Train the HF model a little (it learns to answer "beach plane"), then hand the weights over in memory.
         _train(model, prompts, tokenizer, " beach plane")
         transfer = weight_handoff.weight_transfer(args, llm, model, rank=0)
-        weight_handoff.hand_over_weights(model, 1, transfer=transfer, generator=None, weights_dir=None)
+        weight_handoff.hand_over_weights(model, 1, memory_transfer=transfer, generator=None, weights_dir=None)
         transfer.finish()  # the generator's part: vLLM's worker has loaded the weights, the update is finished
         after = _greedy_vllm(llm, prompts, tokenizer, 12)
         after_logprobs = _logprobs_vllm(llm, prompts, 4)
@@ -174,7 +175,7 @@ def test_an_engine_killed_during_an_in_memory_push_ends_it_within_seconds(tmp_pa
     try:
         # The learner's side fails if the bytes cannot go; else the generator's, finishing the update, does.
         with pytest.raises(RuntimeError, match="handing version 1 of the policy to vLLM failed|engine process died"):
-            weight_handoff.hand_over_weights(model, 1, transfer=transfer, generator=None, weights_dir=None)
+            weight_handoff.hand_over_weights(model, 1, memory_transfer=transfer, generator=None, weights_dir=None)
             transfer.finish()
     finally:
         vllm_engine.shut_down(llm)
@@ -231,7 +232,7 @@ else:  # vLLM's worker may not take more memory than it has now: it cannot alloc
     worker.rlimit(psutil.RLIMIT_AS, (limit, limit))
 print("pushing", flush=True)
 try:
-    weight_handoff.hand_over_weights(model, 1, transfer=transfer, generator=None, weights_dir=None)
+    weight_handoff.hand_over_weights(model, 1, memory_transfer=transfer, generator=None, weights_dir=None)
 except RuntimeError as error:
     print("raised:", error, flush=True)
     raise

@@ -284,16 +284,77 @@ def test_vllm_may_share_no_training_gpu_but_rank_0s(capsys):
 
 def test_vllm_memory_share_on_a_gpu_shared_with_training(capsys):
     gib = 2**30
-    # half of what is free, rounded down; the learner's allocator is held to the rest but vLLM's CUDA context
-    assert vllm_engine.vllm_memory_share(None, 60 * gib, 80 * gib, "0") == (0.37, 1 - 0.37 - 1 / 80)
-    assert vllm_engine.vllm_memory_share(0.5, 60 * gib, 80 * gib, "0") == (0.5, 1 - 0.5 - 1 / 80)  # a share that fits
+    # half of what is free, rounded down; the learner's allocator is held to the rest but vLLM's CUDA context (1 GiB
+    # kept), the learner's own (0.5 GiB) and what loading new weights takes in vLLM beyond its share (here 2 GiB)
+    assert vllm_engine.vllm_memory_share(None, 60 * gib, 80 * gib, "0", 2 * gib) == (0.37, 1 - 0.37 - 3.5 / 80)
+    assert vllm_engine.vllm_memory_share(0.5, 60 * gib, 80 * gib, "0", 0) == (0.5, 1 - 0.5 - 1.5 / 80)  # a share that fits
     # vLLM would refuse to start (it measures once its CUDA context, about 0.5 GiB, is made); we stop first
     for requested, free in ((0.9, 60 * gib), (0.74, 60 * gib), (None, 1.5 * gib)):
         with pytest.raises(SystemExit) as exit:
-            vllm_engine.vllm_memory_share(requested, free, 80 * gib, "0")
+            vllm_engine.vllm_memory_share(requested, free, 80 * gib, "0", 0)
         assert exit.value.code == 2
         (line,) = capsys.readouterr().err.splitlines()
         assert line.startswith("error: --vllm-gpu-memory-utilization: GPU 0, shared with training, has")
+
+
+def test_vllm_on_a_gpu_of_its_own_leaves_room_for_loading_new_weights():
+    """What a hand-off takes in vLLM's process beyond its share: layer-wise reload's copy of a (fused) layer, up to
+    twice the largest parameter, and over NCCL the packed chunk, its buffer overshot by up to one parameter. A 1.5 B
+    tied model (Qwen2.5-1.5B: a 151936 x 1536 bf16 embedding, 467 MB) on a 24 GiB GPU of vLLM's own: 4 x 467 MB over
+    NCCL, which the old default (0.9, and two NCCL buffers each way) left out; a small model keeps 0.9 less a hundredth."""
+    gib, largest = 2**30, 151936 * 1536 * 2
+    assert vllm_engine.hand_off_bytes(largest, received=True) == 4 * largest
+    assert vllm_engine.hand_off_bytes(largest, received=False) == 2 * largest  # files and CUDA IPC: the reload only
+    assert vllm_engine.hand_off_bytes(1000, received=True) == 3000 + 256 * 2**20  # the buffer's 256 MiB floor
+    assert vllm_engine.own_gpu_share(None, 24 * gib, vllm_engine.hand_off_bytes(largest, True)) == 0.82
+    assert vllm_engine.own_gpu_share(None, 80 * gib, vllm_engine.hand_off_bytes(10**6, True)) == 0.89
+    assert vllm_engine.own_gpu_share(0.95, 24 * gib, 4 * largest) == 0.95  # --vllm-gpu-memory-utilization wins
+
+
+def test_the_weight_check_digests_vllms_fused_tensors_from_the_learners_parts():
+    """On CUDA vLLM keeps q/k/v as one qkv_proj and gate/up as one gate_up_proj, byte for byte: digests of those names
+    only (what vLLM's compute_weight_checksums reports) would leave most of each decoder layer unchecked. The learner
+    digests each fused tensor from its parts in vLLM's order, so a stale part is found."""
+    import hashlib
+
+    config = LlamaConfig(vocab_size=50, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, attention_bias=True)
+    model = LlamaForCausalLM(config)
+    attention, mlp = model.model.layers[1].self_attn, model.model.layers[1].mlp
+
+    def sha256(*parts):  # of the fused tensor, as vLLM builds it: the parts concatenated along the output dimension
+        return hashlib.sha256(torch.cat(parts).detach().contiguous().view(-1).view(torch.uint8).numpy()).hexdigest()
+
+    digests = weight_handoff.weight_digests(model.named_parameters())
+    qkv, gate_up = "model.layers.1.self_attn.qkv_proj.weight", "model.layers.1.mlp.gate_up_proj.weight"
+    assert digests[qkv] == sha256(attention.q_proj.weight, attention.k_proj.weight, attention.v_proj.weight)
+    assert digests["model.layers.1.self_attn.qkv_proj.bias"] == sha256(attention.q_proj.bias, attention.k_proj.bias,
+                                                                       attention.v_proj.bias)
+    assert digests[gate_up] == sha256(mlp.gate_proj.weight, mlp.up_proj.weight)
+    assert weight_handoff.fused_name("model.layers.1.self_attn.o_proj.weight") is None
+    assert weight_handoff.fused_name("model.layers.1.mlp.down_proj.weight") is None
+
+    class Engine:  # what expected_weights reads of a DeepSpeed engine
+        def __init__(self, module):
+            self.module = module
+
+        def __call__(self, **inputs):
+            return self.module(**inputs)
+
+    expected = weight_handoff.expected_weights(Engine(model), [[1, 2, 3]], [qkv, gate_up], 49, "cpu")
+    assert expected.digests == {qkv: digests[qkv], gate_up: digests[gate_up]}
+    with torch.no_grad():
+        attention.v_proj.weight[0, 0] += 1  # a part that failed to load
+    assert weight_handoff.expected_weights(Engine(model), [[1, 2, 3]], [qkv], 49, "cpu").digests[qkv] != digests[qkv]
+
+
+def test_cuda_ipc_only_with_one_training_rank():
+    """vLLM's IPC trainer engine exports a packing buffer on every training rank and its one worker imports rank 0's:
+    torch keeps an exported block allocated until a consumer releases it, so every other rank would strand one per
+    update. With vLLM on rank 0's GPU and several training ranks, the weights go through files."""
+    assert vllm_engine.in_memory_backend(None, 1) == vllm_engine.in_memory_backend(None, 8) == "nccl"  # its own GPU
+    assert vllm_engine.in_memory_backend(0, 1) == "ipc"
+    assert vllm_engine.in_memory_backend(0, 2) is None
 
 
 def test_an_asynchronous_run_binds_every_thread_of_vllms_processes_to_vllms_cores():
@@ -536,8 +597,8 @@ class RecordedLLM:
         self.engine_args, self.environ = engine_args, dict(os.environ)
 
 
-@pytest.mark.parametrize("gpus", [1, 2], ids=["shared-ipc", "own-nccl"])
-def test_vllm_on_a_gpu_starts_with_what_its_weight_hand_off_needs(tmp_path, monkeypatch, gpus):
+@pytest.mark.parametrize("gpus, ranks", [(1, 1), (2, 1), (1, 2)], ids=["shared-ipc", "own-nccl", "shared-2-ranks"])
+def test_vllm_on_a_gpu_starts_with_what_its_weight_hand_off_needs(tmp_path, monkeypatch, gpus, ranks):
     """start_vllm's GPU branch (vLLM's engine recorded, not started). On a GPU it shares with the learner (one GPU)
     vLLM takes CUDA IPC, whose update payload carries torch classes that vLLM's RPC pickles only with
     VLLM_ALLOW_INSECURE_SERIALIZATION=1, set in the engine's environment at start and kept for the run's life;
@@ -553,18 +614,22 @@ def test_vllm_on_a_gpu_starts_with_what_its_weight_hand_off_needs(tmp_path, monk
     monkeypatch.setattr(importlib.import_module("vllm"), "LLM", RecordedLLM)
     for name in ("CUDA_VISIBLE_DEVICES", "LOCAL_SIZE", "LOCAL_WORLD_SIZE", "VLLM_ALLOW_INSECURE_SERIALIZATION"):
         monkeypatch.delenv(name, raising=False)
-    llm = vllm_engine.start_vllm(online_dpo_vllm.Args(bf16=True), os.path.join(TINY, "sft"), weight_transfer=True)
-    backend = llm.engine_args["weight_transfer_config"]["backend"]
+    args = online_dpo_vllm.Args(bf16=True)
+    args.world_size, largest = ranks, 2**30  # the largest parameter: 1 GiB
+    llm = vllm_engine.start_vllm(args, os.path.join(TINY, "sft"), weight_transfer=True, largest_bytes=largest)
+    backend = llm.engine_args.get("weight_transfer_config", {}).get("backend")
     assert llm.engine_args["dtype"] == "bfloat16"
     assert "CUDA_VISIBLE_DEVICES" not in os.environ  # restored: only the engine's processes see it
-    if gpus == 1:
-        assert backend == "ipc" and llm.environ["CUDA_VISIBLE_DEVICES"] == "0"
-        assert calls == ["empty_cache", ("mem_get_info", 0), (1 - 0.25 - 1 / 80, 0)]
+    if gpus == 1:  # the learner keeps 1 - 0.25 less vLLM's context, its own, and the reload's copy: 1 + 0.5 + 2 GiB
+        assert backend == ("ipc" if ranks == 1 else None) and llm.environ["CUDA_VISIBLE_DEVICES"] == "0"
+        assert calls == ["empty_cache", ("mem_get_info", 0), (1 - 0.25 - 3.5 / 80, 0)]
         assert llm.engine_args["gpu_memory_utilization"] == 0.25
-        assert llm.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] == os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] == "1"
-    else:
+        if ranks == 1:
+            assert llm.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] == "1"
+            assert os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] == "1"
+    else:  # 0.9 less the reload's copy and the NCCL chunk: 2 + (1 + 1) GiB of 80
         assert backend == "nccl" and llm.environ["CUDA_VISIBLE_DEVICES"] == "1"
-        assert calls == [] and llm.engine_args["gpu_memory_utilization"] == 0.9
+        assert calls == [("mem_get_info", 0)] and llm.engine_args["gpu_memory_utilization"] == 0.85
         assert "VLLM_ALLOW_INSECURE_SERIALIZATION" not in llm.environ  # NCCL's payload is names, dtypes, shapes
 
 
@@ -599,8 +664,8 @@ def test_the_hand_offs_packing_buffers_fit_the_largest_parameter_and_are_bounded
     both engines 256 MiB buffers, or the largest parameter's size. (Parameters on the meta device: no memory.)"""
     small = torch.nn.Linear(64, 64, device="meta")
     large = torch.nn.Sequential(torch.nn.Embedding(152064, 3584, device="meta", dtype=torch.bfloat16), small)
-    assert weight_handoff.packed_buffer_bytes(weight_handoff.PolicyWeights(small).metadata()) == 256 * 2**20
-    assert weight_handoff.packed_buffer_bytes(weight_handoff.PolicyWeights(large).metadata()) == 152064 * 3584 * 2
+    assert vllm_engine.packed_buffer_bytes(64 * 64 * 4) == 256 * 2**20
+    assert vllm_engine.packed_buffer_bytes(152064 * 3584 * 2) == 152064 * 3584 * 2
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
     given = {}
@@ -613,6 +678,9 @@ def test_the_hand_offs_packing_buffers_fit_the_largest_parameter_and_are_bounded
         args.world_size = 1
         weight_handoff.weight_transfer(args, llm, large, rank=0)
         assert given[backend].packed and given[backend].packed_buffer_size_bytes == 152064 * 3584 * 2, backend
+    # One NCCL buffer each way: with vLLM 0.32's two, its receiver could reissue a block while layer-wise reload still
+    # read the layer split across it on the other stream
+    assert given["nccl"].packed_num_buffers == 1
 
 
 @pytest.mark.parametrize("config_file", sorted(glob.glob(os.path.join(ROOT, "ds_configs", "*.json"))),

@@ -91,7 +91,7 @@ def test_tied_embeddings_reach_vllm_in_memory_and_through_files(smollm2, tmp_pat
 
         _move_far(model, 0)
         transfer = weight_handoff.weight_transfer(args, llm, model, rank=0)
-        weight_handoff.hand_over_weights(model, 1, transfer=transfer, generator=None, weights_dir=None)
+        weight_handoff.hand_over_weights(model, 1, memory_transfer=transfer, generator=None, weights_dir=None)
         transfer.finish()
         after = _vllm_logprobs(llm, prompts, 4)
         assert after != before and _largest_difference(model, prompts, after) < 1e-4

@@ -398,7 +398,7 @@ def test_a_signal_stops_an_asynchronous_run_and_leaves_nothing_behind(tmp_path, 
 def test_a_full_disk_while_saving_fails_in_one_line_and_keeps_the_last_checkpoint(tmp_path):
     """A *_vllm.py run (--sync) on a 16 MiB tmpfs, which holds the tiny task's first checkpoint (11 MiB) but not a
     second beside it: one line, exit 1, the partial checkpoint removed, checkpoint-2 whole, vLLM's engine and the
-    handed-over weights gone. save_checkpoint is every script's."""
+    handed-over weights gone. save_checkpoint (checkpoints.py) serves every script."""
     import psutil
     disk = tmp_path / "disk"
     disk.mkdir()
