@@ -73,7 +73,8 @@ def packed_buffer_bytes(largest_bytes, bound=256 * 2**20):
 def hand_off_bytes(largest_bytes, received):
     """At most the GPU memory that loading new weights takes in vLLM's process beyond its share: layer-wise reload's
     fresh copy of the layer being loaded (a fused one, such as gate_up_proj, up to twice the largest parameter) and,
-    with the weights `received` over NCCL, the packed chunk (its buffer, overshot by up to one parameter)."""
+    with the weights `received` in memory, a packed chunk (its buffer, overshot by up to one parameter): NCCL's
+    receive buffer, or CUDA IPC's clones of the tensors of the learner's buffer."""
     return 2 * largest_bytes + (packed_buffer_bytes(largest_bytes) + largest_bytes if received else 0)
 
 
@@ -117,7 +118,7 @@ def start_vllm(args, model_path, weight_transfer=False, largest_bytes=0):
     if torch.cuda.is_available():
         gpu, shared = vllm_gpu(args)
         backend = in_memory_backend(shared, args.world_size) if weight_transfer else None
-        hand_off = hand_off_bytes(largest_bytes, received=backend == "nccl")
+        hand_off = hand_off_bytes(largest_bytes, received=backend is not None)
         if shared is not None:
             torch.cuda.empty_cache()  # blocks the learner's allocator holds but does not use are free for vLLM
             share, learner = vllm_memory_share(args.vllm_gpu_memory_utilization, *torch.cuda.mem_get_info(shared), gpu,
