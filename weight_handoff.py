@@ -4,6 +4,7 @@ weight check, which stops the run if vLLM does not hold the learner's policy. No
 
 import atexit
 import contextlib
+import functools
 import hashlib
 import math
 import os
@@ -20,7 +21,8 @@ from distributed import free_port, gathered_state_dict  # (first: it sets DS_ACC
 import deepspeed
 
 from data import left_pad
-from vllm_engine import engine_dead, in_thread, packed_buffer_bytes, wait_for, write_for_vllm
+from vllm_engine import (engine_dead, in_thread, packed_buffer_bytes, tied_output_names, untied_for_vllm, wait_for,
+                         write_for_vllm)
 
 
 def weights_root(run_dir, needed_bytes, shm="/dev/shm"):
@@ -52,7 +54,7 @@ def weight_transfer(args, llm, module, rank):
     if args.world_size > 1:  # the other ranks learn it from rank 0
         dist.broadcast_object_list(backend, src=0)
     source = PolicyWeights(module)
-    buffer_bytes = packed_buffer_bytes(max(math.prod(m.shape) * m.dtype.itemsize for m in source.metadata()))
+    buffer_bytes = packed_buffer_bytes(max(math.prod(m.shape) * m.dtype.itemsize for m in source.metadata))
     if backend[0] == "nccl":  # one buffer: vLLM 0.32's receiver could reissue a block still read on another stream
         info = NCCLTrainerInitInfo("127.0.0.1", free_port(), 2, rank=rank, packed_buffer_size_bytes=buffer_bytes,
                                    packed_num_buffers=1)
@@ -65,34 +67,57 @@ def weight_transfer(args, llm, module, rank):
         return WeightTransferTrainerFactory.trainer_init(info, client=client, source=source)
 
 
+class ParamMetas(list):
+    """vLLM's ParamMeta of each parameter: a list (vLLM 0.33 reads a weight source's `metadata`) that can be called
+    for itself (vLLM 0.32 calls `metadata()`)."""
+
+    def __call__(self):
+        return self
+
+
 class PolicyWeights:
-    """The policy's parameters as vLLM's trainer-side weight transfer engines take them (a vLLM WeightSource): their
-    names, dtypes and shapes up front, then the tensors one at a time in the same order. Every rank iterates: under
-    ZeRO-3 each module's parameters are gathered in turn and released after, so no device holds the whole model.
-    A tied weight goes under each of its names: vLLM's copy is untied (write_for_vllm). `names` keeps only those."""
+    """The policy's parameters as vLLM's trainer-side weight transfer engines take them (a vLLM WeightSource, in
+    vLLM 0.32's contract and 0.33's): their names, dtypes and shapes up front, then the tensors one at a time in the
+    same order. Every rank iterates: under ZeRO-3 each module's parameters are gathered in turn and released after,
+    so no device holds the whole model (every rank owns every name). A tied weight goes under each of its names that
+    vLLM has: its copy is untied unless its class has no output layer (untied_for_vllm). `names` keeps only those."""
 
     def __init__(self, module, names=None):
         self.module, self.names = module, names
+        self.kept_tied = set(tied_output_names(module)) - set(untied_for_vllm(module))
 
     def _by_module(self):
         for prefix, submodule in self.module.named_modules():
             own = [(name, p) for name, p in submodule.named_parameters(prefix=prefix, recurse=False,
                                                                         remove_duplicate=False)
-                   if self.names is None or name in self.names]
+                   if (self.names is None or name in self.names) and name not in self.kept_tied]
             if own:
                 yield own
 
+    @functools.cached_property
     def metadata(self):
         from vllm.distributed.weight_transfer.base import ParamMeta
 
-        return [ParamMeta(name, p.dtype, tuple(getattr(p, "ds_shape", p.shape)))  # ds_shape: ZeRO-3's full shape
-                for own in self._by_module() for name, p in own]
+        return ParamMetas(ParamMeta(name, p.dtype, tuple(getattr(p, "ds_shape", p.shape)))  # ds_shape: ZeRO-3's
+                          for own in self._by_module() for name, p in own)                 # full shape
 
-    def __iter__(self):
+    def __iter__(self):  # vLLM 0.32
         for own in self._by_module():
             with deepspeed.zero.GatheredParameters([p for _, p in own]):  # does nothing unless ZeRO-3 partitioned them
                 for name, p in own:  # a gathered parameter is copied: its memory goes when the context ends
                     yield name, p.detach().clone() if hasattr(p, "ds_id") else p.detach()
+
+    def iter_full(self):  # vLLM 0.33
+        return iter(self)
+
+    def implements_iter_full(self):
+        return True
+
+    def implements_iter_local(self):
+        return False
+
+    def owned_names(self, rank):
+        return [meta.name for meta in self.metadata]
 
 
 class VllmClient:

@@ -18,7 +18,8 @@
 # 2 GPUs: rloo.py and ppo.py under ZeRO-3 (collectives on NCCL, parameters gathered per module); grpo.py as DAPO
 #         (its token count all-reduced); rloo_vllm.py with one training rank and vLLM on GPU 1 (the NCCL hand-off;
 #         the same scores through files); deepspeed --num_gpus 2 rloo_vllm.py with vLLM sharing GPU 0: through
-#         files (CUDA IPC would strand a buffer on rank 1 at every update), said in one line; and the mechanism
+#         files (CUDA IPC would strand a buffer on rank 1 at every update), said in one line, rank 1's GPU memory flat
+#         over 12 updates; and the mechanism
 #         itself: four CUDA-IPC-exported 256 MiB buffers that no process imports stay allocated after they are dropped.
 # 3 GPUs: deepspeed --num_gpus 2 online_dpo_vllm.py with ZeRO-3: vLLM on GPU 2 (as the run reports it), K = 2
 #         off-policy steps, weights gathered and handed over every update by NCCL.
@@ -55,6 +56,15 @@ import glob, json, sys
 rows = [json.loads(line) for line in open(glob.glob(f"{sys.argv[1]}/*__*/metrics.jsonl")[0])][1:]
 print("async/mismatch_kl at every update:", [f"{r['async/mismatch_kl']:.1e}" for r in rows])
 sys.exit(not rows or max(r["async/mismatch_kl"] for r in rows) > float(sys.argv[2]))
+EOF
+}
+memory_flat() {  # memory_flat <MiB samples>: the last third of a run's samples within 200 MiB of the middle third's
+  python - "$@" <<'EOF'
+import sys
+mib = [int(line) for line in open(sys.argv[1]) if line.strip().isdigit()]
+thirds = [mib[i * len(mib) // 3:(i + 1) * len(mib) // 3] for i in range(3)]
+print(f"GPU memory used (MiB), {len(mib)} samples: peak of each third {[max(t) for t in thirds]}")
+sys.exit(len(mib) < 30 or max(thirds[2]) - max(thirds[1]) > 200)
 EOF
 }
 same_scores() {  # same_scores <run output dir> <run output dir>: objective/scores of two runs within 0.05 at every update
@@ -176,9 +186,15 @@ assert kept >= 1024, kept"
     check 2gpu_rloo_vllm_file bash -c "$(declare -f run1); CUDA_VISIBLE_DEVICES=0,1 run1 rloo_vllm.py --weight-sync file $vllm_flags --output-dir $out/2gpu_file"
     check 2gpu_nccl_and_file_agree same_scores "$out/2gpu_nccl" "$out/2gpu_file"
     # --vllm-gpu 0: on a machine with a third GPU vLLM would take it (NCCL) rather than share
+    # rank 1's GPU (1) sampled twice a second: through files its memory stays flat; CUDA IPC's stranded buffers would
+    # add max(256 MiB, the largest parameter) at every update
+    nvidia-smi --query-gpu=memory.used -i 1 --format=csv,noheader,nounits -lms 500 >"$out/2gpu_shared_gpu1_mib.txt" &
+    sampler=$!
     check 2gpu_rloo_vllm_shared_2_ranks deepspeed --num_gpus 2 rloo_vllm.py --vllm-gpu 0 --bf16 $vllm_flags --per-device-train-batch-size 32 \
-      --total-episodes 256 --eval-every 2 --num-eval-prompts 64 --output-dir "$out/2gpu_shared"
-    check 2gpu_rloo_vllm_shared_2_ranks_metrics metrics_ok "$out/2gpu_shared" 4 0 1 1 1
+      --total-episodes 768 --eval-every 4 --num-eval-prompts 64 --output-dir "$out/2gpu_shared"
+    kill $sampler
+    check 2gpu_rloo_vllm_shared_2_ranks_metrics metrics_ok "$out/2gpu_shared" 12 0 1 1 1 1 1 1 1 1 1 1 1
+    check 2gpu_shared_rank_1_memory_flat memory_flat "$out/2gpu_shared_gpu1_mib.txt"
     check 2gpu_vllm_shares_gpu_0 grep -q "vLLM shares GPU 0 with training" "$out/2gpu_rloo_vllm_shared_2_ranks.log"
     check 2gpu_shared_2_ranks_through_files grep -q "training ranks: the weights go through files" "$out/2gpu_rloo_vllm_shared_2_ranks.log"
   else echo "SKIP 2-GPU vLLM checks (vllm is not installed)"; fi

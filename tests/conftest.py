@@ -53,6 +53,14 @@ def run_script(script, *args, **kwargs):
     return run([sys.executable, script, *args], **kwargs)
 
 
+def forked_runs(script, cases, output, env=None):
+    """Each of `cases` (argument lists) run as `python script *arguments` would, forked from one process that
+    imported the libraries once (tests/forked_runs.py): a list of (exit code, stdout, stderr, seconds)."""
+    run([sys.executable, "tests/forked_runs.py", script, json.dumps(cases), str(output)], env=env)
+    with open(output) as f:
+        return [(r["returncode"], r["stdout"], r["stderr"], r["seconds"]) for r in json.load(f)]
+
+
 def run_dir_of(output_dir):
     (run_dir,) = glob.glob(os.path.join(output_dir, "*__*"))
     return run_dir
@@ -77,14 +85,15 @@ def assert_finite(rows):
 def assert_bad_input(script, arguments, argument):
     """The script must exit 2 within a minute, with exactly one `error: --<argument>: ...` line and no traceback."""
     started = time.time()
-    assert_bad_input_result(run_script(script, *arguments, check=False), time.time() - started, argument)
+    result = run_script(script, *arguments, check=False)
+    assert_bad_input_result(result.returncode, result.stderr, time.time() - started, argument)
 
 
-def assert_bad_input_result(result, seconds, argument):
-    assert result.returncode == 2, result.stderr[-2000:]
-    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1 and errors[0].startswith(f"error: {argument}:"), result.stderr[-2000:]
-    assert "Traceback" not in result.stderr
+def assert_bad_input_result(returncode, stderr, seconds, argument):
+    assert returncode == 2, stderr[-2000:]
+    errors = [line for line in stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and errors[0].startswith(f"error: {argument}:"), stderr[-2000:]
+    assert "Traceback" not in stderr
     assert seconds < 60
 
 

@@ -5,7 +5,7 @@ import os
 
 import pytest
 import torch
-from conftest import TINY, assert_bad_input, assert_bad_input_result, bad_path, run_dir_of, run_script
+from conftest import TINY, assert_bad_input, assert_bad_input_result, bad_path, forked_runs, run_dir_of, run_script
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 pytestmark = pytest.mark.slow  # runs scripts or vLLM engines: minutes
@@ -52,7 +52,7 @@ def test_win_rate_and_kl_of_every_checkpoint_with_both_backends(trained_run, tmp
         assert b["response_length"] == pytest.approx(a["response_length"], abs=0.05)
 
 
-@pytest.mark.parametrize("arguments, argument", [
+BAD_INPUT = [
     ([], "--checkpoints"),
     (["--checkpoints", "/nonexistent/run"], "--checkpoints"),
     (["--checkpoints", "assets/tiny/sft", "--backend", "tpu"], "--backend"),
@@ -70,16 +70,33 @@ def test_win_rate_and_kl_of_every_checkpoint_with_both_backends(trained_run, tmp
     (["--checkpoints", "CORRUPT_CONFIG"], "--checkpoints"),
     (["--checkpoints", "NO_TOKENIZER"], "--checkpoints"),
     (["--checkpoints", "A_FILE"], "--checkpoints"),
-])
-def test_bad_input_exits_2_with_one_line_naming_the_argument(tmp_path, arguments, argument):
+]
+
+
+@pytest.fixture(scope="module")
+def bad_input_runs(tmp_path_factory):
+    """BAD_INPUT's cases forked from one process that imported the libraries once (forked_runs), each with its own
+    temporary directory for its bad paths."""
+    cases = [[bad_path(tmp_path_factory.mktemp(f"case{i}"), a) if a.isupper() else a for a in arguments]
+             for i, (arguments, _) in enumerate(BAD_INPUT)]
+    return forked_runs("evaluate.py", cases, tmp_path_factory.mktemp("forked") / "runs.json")
+
+
+@pytest.mark.parametrize("case", range(len(BAD_INPUT)), ids=[" ".join(a) for a, _ in BAD_INPUT])
+def test_bad_input_exits_2_with_one_line_naming_the_argument(bad_input_runs, case):
     """Found before any model loads (a bad --output, say, not after the whole evaluation)."""
-    assert_bad_input("evaluate.py", [bad_path(tmp_path, a) if a.isupper() else a for a in arguments], argument)
+    returncode, _, stderr, seconds = bad_input_runs[case]
+    assert_bad_input_result(returncode, stderr, seconds, BAD_INPUT[case][1])
+
+
+def test_bad_input_in_a_process_of_its_own_as_a_user_runs_it():
+    assert_bad_input("evaluate.py", ["--checkpoints", "/nonexistent/run"], "--checkpoints")
 
 
 def test_the_output_directory_instead_of_a_run_names_the_run_to_pass(trained_run):
     """`--checkpoints runs` (the --output-dir) instead of `runs/<run name>`: exit 2, and the line names the run."""
     result = run_script("evaluate.py", "--checkpoints", os.path.dirname(trained_run), check=False)
-    assert_bad_input_result(result, 0, "--checkpoints")
+    assert_bad_input_result(result.returncode, result.stderr, 0, "--checkpoints")
     assert f"pass one, e.g. {trained_run})" in result.stderr
 
 

@@ -16,7 +16,8 @@ import pytest
 import torch
 import vllm
 from conftest import CPU_WEIGHT_TRANSFER, ROOT, TINY, read_metrics, run_dir_of
-from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+from transformers import (AutoModelForCausalLM, AutoTokenizer, Gemma2Config, Gemma2ForCausalLM, LlamaConfig,
+                          LlamaForCausalLM)
 from vllm.inputs import TokensPrompt
 
 import data
@@ -33,14 +34,20 @@ PROMPTS = [SHARED + " rain hotel\nTL;DR:", SHARED + " code router\nTL;DR:", SHAR
 
 
 def _policy(kind, tokenizer):
+    """The tiny SFT model (GPT-NeoX), or a random Llama or Gemma-2, with weights large enough that greedy choices are
+    clear-cut. Gemma-2's output layer is its embedding (tied), and vLLM's Gemma2ForCausalLM has no output layer."""
     if kind == "gpt_neox":
         return AutoModelForCausalLM.from_pretrained(os.path.join(TINY, "sft"))
-    torch.manual_seed(0)  # a random Llama, with weights large enough that greedy choices are clear-cut
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=128,
-                         initializer_range=0.2, pad_token_id=tokenizer.pad_token_id,
-                         eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.eos_token_id)
-    return LlamaForCausalLM(config)
+    torch.manual_seed(0)
+    config_class, model_class = (LlamaConfig, LlamaForCausalLM) if kind == "llama" else (Gemma2Config, Gemma2ForCausalLM)
+    config = config_class(vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                          num_attention_heads=2, num_key_value_heads=2, head_dim=64, max_position_embeddings=128,
+                          initializer_range=0.2, pad_token_id=tokenizer.pad_token_id,
+                          eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.eos_token_id,
+                          tie_word_embeddings=kind == "gemma2")
+    if kind == "gemma2":  # vLLM's CPU attention leaves its soft-capping out (log-probabilities 0.01 apart with it)
+        config.attn_logit_softcapping = None
+    return model_class(config)
 
 
 def _truncated(responses, tokenizer):
@@ -91,7 +98,7 @@ def _train(model, prompts, tokenizer, answer):
     model.eval()
 
 
-@pytest.mark.parametrize("kind", ["gpt_neox", "llama"])
+@pytest.mark.parametrize("kind", ["gpt_neox", "llama", "gemma2"])
 def test_after_a_weight_push_vllm_greedy_equals_hf_greedy(tmp_path, monkeypatch, kind):
     """Both hand-offs: in memory (vLLM's weight transfer; on this CPU tests/cpu_weight_transfer's gloo) and, after more training, through a
     save_pretrained directory (--weight-sync file)."""
@@ -128,7 +135,7 @@ def test_after_a_weight_push_vllm_greedy_equals_hf_greedy(tmp_path, monkeypatch,
         # Through a directory: the fallback, and the way the first version reaches vLLM in every run.
         after_model = copy.deepcopy(model)
         _train(model, prompts, tokenizer, " code router")
-        model.save_pretrained(tmp_path / "v2")
+        vllm_engine.write_for_vllm(model, model.state_dict(), tmp_path / "v2")
         vllm_engine.load_into_vllm(llm, str(tmp_path / "v2"))
         assert _greedy_vllm(llm, prompts, tokenizer, 12) == _greedy_hf(model, prompts, tokenizer, 12) != after
     finally:

@@ -433,7 +433,7 @@ def test_zero3_weights_are_gathered_one_module_at_a_time(process_group, tmp_path
     gathered.clear()
     weights = weight_handoff.PolicyWeights(engine.module)
     parameters = dict(model.named_parameters())
-    assert [(m.name, m.shape) for m in weights.metadata()] == [(n, tuple(p.ds_shape)) for n, p in parameters.items()]
+    assert [(m.name, m.shape) for m in weights.metadata] == [(n, tuple(p.ds_shape)) for n, p in parameters.items()]
     streamed = dict(iter(weights))
     assert streamed.keys() == parameters.keys()
     assert all(torch.equal(streamed[name], expected[name]) for name in streamed)
@@ -664,8 +664,12 @@ def test_the_hand_offs_packing_buffers_fit_the_largest_parameter_and_are_bounded
     """vLLM's CUDA IPC packer refuses a tensor larger than its buffer (1 GiB by default; Qwen2.5-7B's embedding in bf16
     is 1.04 GiB), and the NCCL engines keep two buffers on each side outside vLLM's memory share. The scripts give
     both engines 256 MiB buffers, or the largest parameter's size. (Parameters on the meta device: no memory.)"""
-    small = torch.nn.Linear(64, 64, device="meta")
-    large = torch.nn.Sequential(torch.nn.Embedding(152064, 3584, device="meta", dtype=torch.bfloat16), small)
+    class Model(torch.nn.Sequential):  # an embedding and a layer, as a model has them
+        def get_input_embeddings(self):
+            return self[0]
+
+    large = Model(torch.nn.Embedding(152064, 3584, device="meta", dtype=torch.bfloat16),
+                  torch.nn.Linear(64, 64, device="meta"))
     assert vllm_engine.packed_buffer_bytes(64 * 64 * 4) == 256 * 2**20
     assert vllm_engine.packed_buffer_bytes(152064 * 3584 * 2) == 152064 * 3584 * 2
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
@@ -728,3 +732,20 @@ def test_weight_sync_is_memory_on_gpus_and_file_on_a_cpu_where_memory_needs_a_vl
         check(online_dpo_vllm.Args(weight_sync="memory"))
     (line,) = capsys.readouterr().err.splitlines()
     assert exit.value.code == 2 and line.startswith("error: --weight-sync: memory needs a GPU")
+
+
+@pytest.mark.parametrize("version, supported", [("0.32.0", True), ("0.32.0+cpu", True), ("0.33.1", True),
+                                                ("0.26.0", False), ("0.34.0", False), ("0.3.2", False), (None, False)])
+def test_the_vllm_scripts_stop_in_one_line_under_a_vllm_release_they_do_not_follow(capsys, version, supported):
+    """vLLM 0.32 and 0.33 (their weight transfer differs: PolicyWeights follows both); 0.26-0.31 had other
+    trainer-side engines, torch 2.11 users can only install up to 0.26. The installed one, read without importing
+    vLLM, is 0.32 here."""
+    assert checks.installed_vllm().startswith("0.32")
+    if supported:
+        checks.check_vllm_version(version)
+        return
+    with pytest.raises(SystemExit) as exit:
+        checks.check_vllm_version(version)
+    (line,) = capsys.readouterr().err.splitlines()
+    assert exit.value.code == 2 and line.startswith("error: the *_vllm.py scripts need vLLM 0.32 or 0.33")
+    assert (f"vLLM {version} is installed" if version else "no vLLM is installed") in line

@@ -16,8 +16,8 @@ import time
 
 import pytest
 import torch
-from conftest import (ROOT, TINY, algorithm_metrics, assert_bad_input_result, assert_finite, bad_path, read_metrics, run,
-                      run_dir_of, run_script)
+from conftest import (ROOT, TINY, algorithm_metrics, assert_bad_input, assert_bad_input_result, assert_finite, bad_path, forked_runs,
+                      read_metrics, run, run_dir_of, run_script)
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
 pytestmark = pytest.mark.slow  # runs scripts or vLLM engines: minutes
@@ -66,13 +66,15 @@ def free_port():
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
-def test_help_lists_every_argument_with_its_docstring(script):
+def test_help_lists_every_argument_with_its_docstring(warm_runs, script):
     module = __import__(script[:-3])
-    commands = [[sys.executable, script, "--help"]]
+    returncode, stdout, stderr, _ = warm_runs[script][0][0]
+    assert returncode == 0, stderr[-2000:]
+    helps = [stdout]
     if script == "rloo.py":  # the same tyro parsing in every script: one check under the launcher is enough
-        commands.append([DEEPSPEED, "--num_accelerators", "1", script, "--help"])
-    for command in commands:
-        text = " ".join(re.sub("[│╭╮╰╯─]", " ", run(command, env={"COLUMNS": "300"}).stdout).split())
+        helps.append(run([DEEPSPEED, "--num_accelerators", "1", script, "--help"], env={"COLUMNS": "300"}).stdout)
+    for text in helps:
+        text = " ".join(re.sub("[│╭╮╰╯─]", " ", text).split())
         for field in module.Args.__dataclass_fields__:
             assert f"--{field.replace('_', '-')}" in text, field
         assert "(the off-policy knob)" in text
@@ -107,16 +109,11 @@ LEARNING = [
     (["ppo_vllm.py"], 2.0, 0.4),
     (["bok_vllm.py"], 2.0, 0.4),
     (["grpo_vllm.py"], 2.0, 0.4),
-    (["online_dpo_vllm.py", "--sync"], 2.0, 0.4),
-    (["rloo_vllm.py", "--sync"], 2.0, 0.4),
-    (["ppo_vllm.py", "--sync"], 2.0, 0.4),
-    (["bok_vllm.py", "--sync"], 2.0, 0.4),
-    (["grpo_vllm.py", "--sync"], 2.0, 0.4),
 ]
-# (--sync runs the same generator with K = 0, shared by the five *_vllm.py, and each script learns both ways; the
-# asynchronous rloo_vllm.py hands its weights over in memory, the others through files, the CPU's default. The
-# first batch of every asynchronous run is on-policy: its correction weights must be 1 (PPO's per token, the
-# strictest); the full-disk test runs rloo_vllm.py --sync too.)
+# (The asynchronous rloo_vllm.py hands its weights over in memory, the others through files, the CPU's default. The
+# first batch of every asynchronous run is on-policy: its correction weights must be 1. --sync runs the same
+# generator with K = 0 (generator.py, shared by the five): the full-disk test runs rloo_vllm.py --sync, whose weights
+# must all be 1, and so do tests/test_real_model.py on SmolLM2 and ppo_vllm.py's in tests/test_math_and_chat.py.)
 
 
 @pytest.mark.parametrize("command, proxy_margin, gold_margin", LEARNING, ids=[" ".join(c) for c, *_ in LEARNING])
@@ -155,19 +152,16 @@ def test_default_run_logs_saves_and_learns(tmp_path, command, proxy_margin, gold
     if script.startswith("ppo"):  # whitened advantages and a ratio of one: the surrogate is zero (no correction yet)
         assert abs(first["loss/policy_avg"]) < 1e-5 and first["loss/value_avg"] > 0
     if script.endswith("_vllm.py"):  # the first batch comes from the SFT policy, later ones K = 1 update late
-        assert [row["async/off_policy_steps"] for row in rows[1:]] == [0] + [0 if "--sync" in command else 1] * 99
+        assert [row["async/off_policy_steps"] for row in rows[1:]] == [0] + [1] * 99
         assert all(row["time/weight_sync"] > 0 for row in rows[1:3])
     if "async/mismatch_kl" in rows[1]:
-        # Behaviour (vLLM) against proximal (learner) log-probabilities. In float32, on-policy (K = 0), the two
-        # engines agree: the importance weights are 1. One update late, at this learning rate, they are not.
+        # Behaviour (vLLM) against proximal (learner) log-probabilities. In float32, on-policy (the first batch, from
+        # the SFT policy), the two engines agree: the importance weights are 1. One update late, at this learning
+        # rate, they are not.
         mismatch = [row["async/mismatch_kl"] for row in rows[1:]]
         ess = [row["async/is_ess"] for row in rows[1:]]
-        if "--sync" in command:
-            assert max(mismatch) < 1e-5 and min(ess) > 1 - 1e-5, (max(mismatch), min(ess))
-            assert all(row["async/is_truncated"] == 0 for row in rows[1:])
-        else:  # the first batch, from the SFT policy, is on-policy
-            assert mismatch[0] < 1e-5 and ess[0] > 1 - 1e-5 and rows[1]["async/is_truncated"] == 0
-            assert max(mismatch[1:]) > 1e-4 and min(ess[1:]) < 0.999, (max(mismatch), min(ess))
+        assert mismatch[0] < 1e-5 and ess[0] > 1 - 1e-5 and rows[1]["async/is_truncated"] == 0
+        assert max(mismatch[1:]) > 1e-4 and min(ess[1:]) < 0.999, (max(mismatch), min(ess))
 
     checkpoint = os.path.join(run_dir, "checkpoint-100")
     model = AutoModelForCausalLM.from_pretrained(checkpoint)
@@ -192,12 +186,11 @@ def test_default_run_logs_saves_and_learns(tmp_path, command, proxy_margin, gold
 
 # The *_vllm.py scripts resume exactly, asynchronously too: a checkpoint keeps the K batches already generated
 # for the updates after it (by policies older than its own), and the resumed run trains on them. Their generator,
-# hand-off and checkpoints are one code that all five import (generator.py); what each batch holds differs
-# (pairs of samples, k samples, one sample and its values), so each runs, two updates late.
-# Of the synchronous scripts, rloo.py and ppo.py (a second engine, the value model, in the checkpoint) run: online_dpo.py
-# and bok.py checkpoint as rloo.py does, and their asynchronous siblings run here (CI's 45 minutes).
-RESUME = [["rloo.py"], ["ppo.py"]] + [
-    [script, "--off-policy-steps", "2", "--vllm-enforce-eager"] for script in SCRIPTS if script.endswith("_vllm.py")]
+# hand-off, checkpoints and saved batches are one code that all five import (generator.py, checkpoints.py): two run
+# here, two updates late, ppo_vllm.py (a second trained model, the value model, in the checkpoint; one sample and
+# its values per prompt) and online_dpo_vllm.py (pairs of samples), and rloo.py for the synchronous scripts.
+RESUME = [["rloo.py"]] + [[script, "--off-policy-steps", "2", "--vllm-enforce-eager"]
+                          for script in ("ppo_vllm.py", "online_dpo_vllm.py")]
 
 
 @pytest.mark.parametrize("command", RESUME, ids=[" ".join(c) for c in RESUME])
@@ -297,13 +290,12 @@ def launch_two_processes(tmp_path, port, command, nodes):
 
 # (script, its own arguments, updates of 2 ranks x 32 responses, whether ZeRO-3 runs on two nodes). rloo_vllm.py
 # runs 5 updates 2 policies late: batches 4 and 5 come from weights that rank 0 gathered (ZeRO-3, module by module)
-# and handed to vLLM in memory (under ZeRO-2 through files), and the off-policy correction weights them;
-# online_dpo_vllm.py, one update late, the same way. The other *_vllm.py scripts share their generator and hand-off.
+# and handed to vLLM in memory (under ZeRO-2 through files), and the off-policy correction weights them. The other
+# *_vllm.py scripts share its generator, hand-off and ranks' plumbing (generator.py, distributed.py).
 # Two nodes of one process each must train as one node of two does: the same numbers, vLLM on node 0 alone.
 # rloo.py evaluates 65 prompts, 33 on rank 0 (two batches of 32) and 32 on rank 1: under ZeRO-3 both must run two.
 TWO_PROCESS = [("rloo.py", ["--num-eval-prompts", "65"], 3, True),
-               ("rloo_vllm.py", ["--off-policy-steps", "2", "--vllm-enforce-eager"], 5, True),
-               ("online_dpo_vllm.py", ["--vllm-enforce-eager"], 3, True)]
+               ("rloo_vllm.py", ["--off-policy-steps", "2", "--vllm-enforce-eager"], 5, True)]
 
 
 @pytest.mark.parametrize("script, arguments, updates, two_nodes", TWO_PROCESS, ids=[t[0] for t in TWO_PROCESS])
@@ -323,9 +315,7 @@ def test_two_process_deepspeed_zero2_and_zero3_train_the_same_model(tmp_path, sc
         rows = read_metrics(run_dir_of(out))
         assert_finite(rows)
         assert [row["update"] for row in rows] == list(range(updates + 1)) and rows[-1]["episode"] == 64 * updates
-        assert abs(rows[1]["pairs/kl" if script.startswith("online_dpo") else "objective/kl"]) < 1e-6  # on-policy
-        if script == "online_dpo_vllm.py":  # one update late (the default)
-            assert [row["async/off_policy_steps"] for row in rows[1:]] == [0, 1, 1]
+        assert abs(rows[1]["objective/kl"]) < 1e-6  # on-policy
         if script == "rloo_vllm.py":  # two updates late, the importance weights are no longer 1
             assert [row["async/off_policy_steps"] for row in rows[1:]] == [0, 1, 2, 2, 2]
             assert rows[1]["async/mismatch_kl"] < 1e-6 and rows[1]["async/is_ess"] > 1 - 1e-6
@@ -337,7 +327,7 @@ def test_two_process_deepspeed_zero2_and_zero3_train_the_same_model(tmp_path, sc
     (rows2, weights2), (rows3, weights3) = runs[2], runs[3]
     for a, b in zip(rows2, rows3):
         for key in a:
-            if key.startswith(("objective/", "pairs/", "eval/", "loss/", "logps/")):
+            if key.startswith(("objective/", "eval/", "loss/")):
                 assert b[key] == pytest.approx(a[key], rel=1e-3, abs=1e-4), (a["update"], key)
     # The checkpoints hold full, trained weights (ZeRO-3 gathers its shards to save them), the same in both.
     sft = dict(AutoModelForCausalLM.from_pretrained(os.path.join(TINY, "sft")).named_parameters())
@@ -526,32 +516,42 @@ BAD_INPUT = [  # (script, arguments, the argument the error must name)
 
 
 @pytest.fixture(scope="module")
-def bad_input_runs(tmp_path_factory):
-    """Every BAD_INPUT case run once, two at a time: each is mostly a Python process starting on one core.
-    Returns (the finished process, its seconds, its output directory, whether the bad paths, runs among them,
-    are as they were) per case."""
+def warm_runs(tmp_path_factory):
+    """Each script's `--help` and its BAD_INPUT cases, forked from one process per script that imported the
+    libraries once (forked_runs: a case is then about a second, not 5-8 s), two scripts at a time.
+    Returns {script: [((exit code, stdout, stderr, seconds), its output directory, whether its files, runs among
+    them, are as they were)]}, --help first, then the script's cases in BAD_INPUT's order."""
     def files_under(directory):
         return {path: path.read_bytes() for path in directory.rglob("*") if path.is_file()}
 
-    def one(case):
-        script, arguments, _ = BAD_INPUT[case]
-        tmp = tmp_path_factory.mktemp(f"bad_input_{case}")
-        arguments = [bad_path(tmp, a) if a.isupper() else a for a in arguments]
-        output_dir = [] if "--output-dir" in arguments else ["--output-dir", str(tmp)]
-        before = files_under(tmp)
-        started = time.time()
-        result = run_script(script, *arguments, *output_dir, check=False)
-        return result, time.time() - started, tmp, files_under(tmp) == before
+    def one(script):
+        cases, outputs = [["--help"]], [None]
+        for case, (name, arguments, _) in enumerate(BAD_INPUT):
+            if name == script:
+                tmp = tmp_path_factory.mktemp(f"bad_input_{case}")
+                arguments = [bad_path(tmp, a) if a.isupper() else a for a in arguments]
+                cases.append([*arguments, *([] if "--output-dir" in arguments else ["--output-dir", str(tmp)])])
+                outputs.append(tmp)
+        before = [tmp and files_under(tmp) for tmp in outputs]
+        results = forked_runs(script, cases, tmp_path_factory.mktemp("forked") / f"{script}.json", {"COLUMNS": "300"})
+        return script, [(result, tmp, tmp is None or files_under(tmp) == files)
+                        for result, tmp, files in zip(results, outputs, before)]
 
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        return list(pool.map(one, range(len(BAD_INPUT))))
+        return dict(pool.map(one, SCRIPTS))
 
 
 @pytest.mark.parametrize("case", range(len(BAD_INPUT)), ids=[f"{s} {' '.join(a)}" for s, a, _ in BAD_INPUT])
-def test_bad_input_exits_2_with_one_line_naming_the_argument(bad_input_runs, case):
-    result, seconds, tmp, untouched = bad_input_runs[case]
-    assert_bad_input_result(result, seconds, BAD_INPUT[case][2])
+def test_bad_input_exits_2_with_one_line_naming_the_argument(warm_runs, case):
+    script, _, argument = BAD_INPUT[case]
+    position = 1 + [s for s, _, _ in BAD_INPUT[:case]].count(script)
+    (returncode, _, stderr, seconds), tmp, untouched = warm_runs[script][position]
+    assert_bad_input_result(returncode, stderr, seconds, argument)
     assert set(os.listdir(tmp)) <= {"bad"} and untouched  # nothing was run or written, not even into a resumed run
+
+
+def test_bad_input_in_a_process_of_its_own_as_a_user_runs_it():
+    assert_bad_input("rloo_vllm.py", ["--is-cap", "-1"], "--is-cap")
 
 
 def test_random_tiny_llama_works_as_policy_and_reward_model(tmp_path):

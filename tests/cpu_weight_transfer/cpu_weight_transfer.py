@@ -121,10 +121,11 @@ class GlooTrainerWeightTransferEngine(NCCLTrainerWeightTransferEngine):
         return engine
 
     def send_weights(self):
-        meta = self.source.metadata()
+        # vLLM 0.32's weight sources: metadata() and iteration; 0.33's: the metadata property and iter_full()
+        meta = list(self.source.metadata() if callable(self.source.metadata) else self.source.metadata)
         if not self.is_sender:
-            for _ in self.source:  # the other ranks take part in ZeRO-3's gathers
-                pass
+            for _ in (self.source.iter_full() if hasattr(self.source, "iter_full") else self.source):
+                pass  # the other ranks take part in ZeRO-3's gathers
             return
         self.client.start_weight_update()
         # As vLLM's NCCL sender: the worker's update_weights runs in an executor's thread, which Python joins at exit
