@@ -361,7 +361,7 @@ def main():
     args = parser.parse_args()
     out = args.out or (tempfile.mkdtemp(prefix="tiny_") if args.quick else
                        os.path.join(os.path.dirname(os.path.abspath(__file__)), "tiny"))
-    n = dict(train=4000, test=500, sft_steps=300, gold=6000, gold_steps=200, proxy=6000, proxy_steps=100) \
+    n = dict(train=4000, test=500, sft_steps=100, gold=3000, gold_steps=100, proxy=3000, proxy_steps=50) \
         if args.quick else \
         dict(train=40000, test=2000, sft_steps=1500, gold=120000, gold_steps=4000, proxy=48000, proxy_steps=1500)
     start, lines = time.time(), []

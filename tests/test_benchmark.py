@@ -14,7 +14,7 @@ SCRIPTS = ["rloo.py", "online_dpo_vllm.py"]
 
 
 def test_throughput_quick_mode_prints_episodes_per_second_and_phases_of_every_script():
-    # A synchronous and the asynchronous script (all five take about 150 s of CI's 45 minutes): the others are
+    # A synchronous and the asynchronous script (all five take about 150 s of CI's 50 minutes): the others are
     # timed by the same code.
     output = run([sys.executable, "benchmark/throughput.py", "--quick", "--scripts", *SCRIPTS], timeout=900).stdout
     rows = {line.split()[0]: line.split()[1:] for line in output.splitlines() if line.split()[:1] in [[s] for s in SCRIPTS]}

@@ -90,7 +90,7 @@ def test_help_lists_every_argument_with_its_docstring(warm_runs, script):
 #   rloo.py                    -0.41 -> 3.20, 0.20 -> 0.89
 #   online_dpo.py              -0.41 -> 3.18, 0.20 -> 0.87
 #   online_dpo.py --loss-type ipo   -0.41 -> 1.37, 0.20 -> 0.51 (IPO's fixed target margin holds it back; not
-#                              run in CI, which keeps under 45 minutes: test_dpo_bok_math.py checks IPO's loss by hand)
+#                              run in CI, which keeps under 50 minutes: test_dpo_bok_math.py checks IPO's loss by hand)
 #   bok.py                     -0.41 -> 3.12, 0.20 -> 0.85
 #   ppo.py (34 s)              -0.42 -> 3.38, 0.20 -> 0.92
 #   rloo_vllm.py               -0.41 -> 3.18, 0.20 -> 0.87
@@ -98,16 +98,16 @@ def test_help_lists_every_argument_with_its_docstring(warm_runs, script):
 #                              gspo as grpo: one update per batch, on-policy, is where they meet; not run in CI,
 #                              test_grpo_math.py checks each loss by hand)
 #   grpo_vllm.py               -0.42 -> 3.20, 0.20 -> 0.87
-LEARNING = [
+LEARNING = [  # (in pairs that run side by side: see learning_runs)
     (["rloo.py"], 2.0, 0.4),
-    (["online_dpo.py"], 2.0, 0.4),
-    (["bok.py"], 2.0, 0.4),
-    (["ppo.py"], 2.0, 0.4),
-    (["grpo.py"], 2.0, 0.4),
-    (["online_dpo_vllm.py"], 2.0, 0.4),
     (["rloo_vllm.py", "--weight-sync", "memory"], 2.0, 0.4),
-    (["ppo_vllm.py"], 2.0, 0.4),
+    (["online_dpo.py"], 2.0, 0.4),
+    (["online_dpo_vllm.py"], 2.0, 0.4),
+    (["bok.py"], 2.0, 0.4),
     (["bok_vllm.py"], 2.0, 0.4),
+    (["ppo.py"], 2.0, 0.4),
+    (["ppo_vllm.py"], 2.0, 0.4),
+    (["grpo.py"], 2.0, 0.4),
     (["grpo_vllm.py"], 2.0, 0.4),
 ]
 # (The asynchronous rloo_vllm.py hands its weights over in memory, the others through files, the CPU's default. The
@@ -116,12 +116,27 @@ LEARNING = [
 # must all be 1, and so do tests/test_real_model.py on SmolLM2 and ppo_vllm.py's in tests/test_math_and_chat.py.)
 
 
-@pytest.mark.parametrize("command, proxy_margin, gold_margin", LEARNING, ids=[" ".join(c) for c, *_ in LEARNING])
-def test_default_run_logs_saves_and_learns(tmp_path, command, proxy_margin, gold_margin):
+@pytest.fixture(scope="module")
+def learning_runs(tmp_path_factory):
+    """Every LEARNING run, two at a time, a synchronous script's beside an asynchronous one's (the one's training,
+    on both cores, overlaps the other's start-up and shutdown, which take one core or none: vLLM's processes start
+    one after another). Their metrics do not depend on timing. Returns (the finished process, its directory) each."""
+    def one(command):
+        tmp = tmp_path_factory.mktemp(command[0][:-3])
+        eager = ["--vllm-enforce-eager"] if command[0].endswith("_vllm.py") else []  # starts faster: short runs
+        return run_script(*command, *eager, "--learning-rate", "1e-4", "--total-episodes", "6400", "--eval-every",
+                          "50", "--track", "--output-dir", str(tmp / "runs"), env={"WANDB_DIR": str(tmp)},
+                          check=False), tmp
+
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        return list(pool.map(one, [command for command, *_ in LEARNING]))
+
+
+@pytest.mark.parametrize("case", range(len(LEARNING)), ids=[" ".join(c) for c, *_ in LEARNING])
+def test_default_run_logs_saves_and_learns(learning_runs, case):
+    (command, proxy_margin, gold_margin), (result, tmp_path) = LEARNING[case], learning_runs[case]
+    assert result.returncode == 0, result.stderr[-4000:]
     script, out = command[0], tmp_path / "runs"
-    eager = ["--vllm-enforce-eager"] if script.endswith("_vllm.py") else []  # starts faster: short runs
-    run_script(*command, *eager, "--learning-rate", "1e-4", "--total-episodes", "6400", "--eval-every", "50",
-               "--track", "--output-dir", str(out), env={"WANDB_DIR": str(tmp_path)})
     run_dir = run_dir_of(out)
     (wandb_run,) = glob.glob(str(tmp_path / "wandb" / "offline-run-*"))  # --track logged to wandb (offline)
     assert glob.glob(os.path.join(wandb_run, "*.wandb"))
@@ -186,27 +201,24 @@ def test_default_run_logs_saves_and_learns(tmp_path, command, proxy_margin, gold
 
 # The *_vllm.py scripts resume exactly, asynchronously too: a checkpoint keeps the K batches already generated
 # for the updates after it (by policies older than its own), and the resumed run trains on them. Their generator,
-# hand-off, checkpoints and saved batches are one code that all five import (generator.py, checkpoints.py): two run
-# here, two updates late, ppo_vllm.py (a second trained model, the value model, in the checkpoint; one sample and
-# its values per prompt) and online_dpo_vllm.py (pairs of samples), and rloo.py for the synchronous scripts.
-RESUME = [["rloo.py"]] + [[script, "--off-policy-steps", "2", "--vllm-enforce-eager"]
-                          for script in ("ppo_vllm.py", "online_dpo_vllm.py")]
+# hand-off, checkpoints and saved batches are one code that all five import (generator.py, checkpoints.py):
+# ppo_vllm.py runs here, two updates late (the most state: a second trained model, the value model, in the
+# checkpoint; one sample and its values per prompt in each saved batch), and rloo.py for the synchronous scripts.
+RESUME = [["rloo.py"], ["ppo_vllm.py", "--off-policy-steps", "2", "--vllm-enforce-eager"]]
 
 
 @pytest.mark.parametrize("command", RESUME, ids=[" ".join(c) for c in RESUME])
 def test_resume_after_a_kill_reproduces_the_uninterrupted_run(tmp_path, command):
-    # The *_vllm.py scripts hand their weights over in memory (tests/cpu_weight_transfer on this CPU), but for
-    # online_dpo_vllm.py's uninterrupted run, through files (the CPU's default): in float32 both give vLLM the same
-    # weights, bit for bit.
+    # The *_vllm.py scripts hand their weights over in memory (tests/cpu_weight_transfer on this CPU), but for the
+    # uninterrupted run, through files (the CPU's default): in float32 both give vLLM the same weights, bit for bit.
     common = [*command, "--total-episodes", "384", "--eval-every", "2", "--save-every", "2"]
-    files = ["--weight-sync", "file"] if command[0] == "online_dpo_vllm.py" else []
     memory = ["--weight-sync", "memory"] if command[0].endswith("_vllm.py") else []
     env = {**os.environ, "WANDB_MODE": "offline"}
     # An asynchronous script's uninterrupted run and the one to be killed run at once (its schedule does not depend
     # on timing; its learner takes one core, and start-up leaves cores idle); a synchronous script's learner takes
     # every core, so its two runs take turns.
     with open(tmp_path / "whole.log", "w") as log:
-        whole = subprocess.Popen([sys.executable, *common, *(files or memory), "--output-dir", str(tmp_path / "whole")],
+        whole = subprocess.Popen([sys.executable, *common, "--output-dir", str(tmp_path / "whole")],
                                  cwd=ROOT, env=env, stdout=log, stderr=log)
     if not command[0].endswith("_vllm.py"):
         whole.wait(timeout=600)
@@ -291,13 +303,12 @@ def launch_two_processes(tmp_path, port, command, nodes):
 # (script, its own arguments, updates of 2 ranks x 32 responses, whether ZeRO-3 runs on two nodes). rloo_vllm.py
 # runs 5 updates 2 policies late: batches 4 and 5 come from weights that rank 0 gathered (ZeRO-3, module by module)
 # and handed to vLLM in memory (under ZeRO-2 through files), and the off-policy correction weights them. The other
-# *_vllm.py scripts share its generator, hand-off and ranks' plumbing (generator.py, distributed.py).
-# Two nodes of one process each must train as one node of two does: the same numbers, vLLM on node 0 alone.
-# rloo.py evaluates 65 prompts, 33 on rank 0 (two batches of 32) and 32 on rank 1: under ZeRO-3 both must run two.
-TWO_PROCESS = [("rloo.py", ["--num-eval-prompts", "65"], 3, True),
-               ("rloo_vllm.py", ["--off-policy-steps", "2", "--vllm-enforce-eager"], 5, True)]
-
-
+# scripts share its ranks' plumbing (distributed.py, checkpoints.py, evaluation.py), and the *_vllm.py its generator
+# and hand-off. Two nodes of one process each must train as one node of two does: the same numbers, vLLM on node 0
+# alone. It evaluates 65 prompts (the learner generating, as every script does), 33 on rank 0 (two batches of 32) and
+# 32 on rank 1: under ZeRO-3 both must run two.
+TWO_PROCESS = [("rloo_vllm.py", ["--off-policy-steps", "2", "--vllm-enforce-eager", "--num-eval-prompts", "65"], 5,
+                True)]
 @pytest.mark.parametrize("script, arguments, updates, two_nodes", TWO_PROCESS, ids=[t[0] for t in TWO_PROCESS])
 def test_two_process_deepspeed_zero2_and_zero3_train_the_same_model(tmp_path, script, arguments, updates, two_nodes):
     runs = {}
