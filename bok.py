@@ -27,11 +27,10 @@ if not torch.cuda.is_available():
 
 import deepspeed
 import torch.distributed as dist
-import tyro
 from deepspeed.accelerator import get_accelerator
 from transformers import StaticCache
 
-from checks import check_bounds, check_gpu_driver, check_run, fail
+from checks import check_bounds, check_gpu_driver, check_run, fail, parse_arguments
 from data import left_pad, load_data, load_model, prompt_batch
 from distributed import (adam_class, ds_config, frozen_engine, mean_over_ranks, set_up_distributed,
                          unwrapped_for_generation)
@@ -431,4 +430,4 @@ def masked_mean(values, mask):
 
 
 if __name__ == "__main__":
-    main(tyro.cli(Args))
+    main(parse_arguments(Args))

@@ -30,11 +30,10 @@ if not torch.cuda.is_available():
 
 import deepspeed
 import torch.distributed as dist
-import tyro
 from deepspeed.accelerator import get_accelerator
 from transformers import StaticCache
 
-from checks import check_bounds, check_gpu_driver, check_run, check_weight_sync, fail
+from checks import check_bounds, check_gpu_driver, check_run, check_weight_sync, fail, parse_arguments
 from data import left_pad, load_data, load_model, prompt_batch, right_pad
 from distributed import adam_class, ds_config, frozen_engine, mean_over_ranks, set_up_distributed
 from checkpoints import check_resume, latest_checkpoint, load_checkpoint, save_checkpoint
@@ -510,4 +509,4 @@ def vllm_generate(llm, prompts, k, response_length, stop_token_id, temperature, 
 
 
 if __name__ == "__main__":
-    main(tyro.cli(Args))
+    main(parse_arguments(Args))

@@ -10,6 +10,7 @@ import sys
 from dataclasses import asdict
 
 import torch
+import tyro
 from transformers import AutoConfig
 
 
@@ -17,6 +18,32 @@ def fail(argument, message):
     """Bad input: one line on stderr naming the argument, exit code 2."""
     print(f"error: --{argument.replace('_', '-')}: {message}", file=sys.stderr)
     sys.exit(2)
+
+
+def parse_arguments(args_class):
+    """The command line as an `args_class` (tyro.cli). What tyro rejects (a word where a number goes, a missing value,
+    an unknown argument) ends as every other bad input does: one line naming the argument, exit code 2, not tyro's
+    box. (tyro._errors is tyro's experimental hook, hence tyro's exact pin.)"""
+    from tyro import _errors
+
+    def one_line(event):
+        argument = getattr(event, "argument", None)
+        name = argument and "/".join(argument.lowered.name_or_flags)
+        if isinstance(event, _errors.InstantiationFailure) and name:
+            message = event.message
+        elif isinstance(event, _errors.BadValue):
+            message = "needs a value" if event.offending_value is None else f"takes no {event.offending_value!r}"
+        elif isinstance(event, _errors.InvalidChoice):
+            message = f"must be one of {', '.join(event.choices)}, got {event.value!r}"
+        elif isinstance(event, _errors.UnrecognizedArgs):
+            name, message = event.tokens[0], "is not an argument of this script, or a value of none (see --help)"
+        else:
+            return  # tyro's own message
+        print(f"error: {name}: {message}", file=sys.stderr)
+        sys.exit(2)
+
+    with _errors.on_parse_error(one_line):
+        return tyro.cli(args_class)
 
 
 def check_gpu_driver():
@@ -137,6 +164,14 @@ def check_files(args):
     if not isinstance(config, dict) or not isinstance(config.get("zero_optimization"), dict) \
             or "stage" not in config["zero_optimization"]:
         fail("deepspeed_config", f"{args.deepspeed_config} has no zero_optimization.stage")
+    zero = config["zero_optimization"]
+    if zero["stage"] not in (0, 1, 2, 3) or isinstance(zero["stage"], bool):
+        fail("deepspeed_config", f"{args.deepspeed_config}: zero_optimization.stage must be 0, 1, 2 or 3, got "
+                                 f"{zero['stage']!r}")
+    offload = zero.get("offload_optimizer", {})
+    if not isinstance(offload, dict) or offload.get("device", "none") not in ("none", "cpu", "nvme"):
+        fail("deepspeed_config", f"{args.deepspeed_config}: zero_optimization.offload_optimizer must be an object "
+                                 f"whose device is none, cpu or nvme, got {offload!r}")
     if os.path.isfile(args.output_dir):
         fail("output_dir", f"{args.output_dir} is a file, not a directory")
 
@@ -163,11 +198,22 @@ def check_vllm_version(version):
         sys.exit(2)
 
 
+def check_vllm_gpu(args):
+    """--vllm-gpu names a GPU, on a machine that has GPUs (else vLLM would run on the CPU without a word)."""
+    if args.vllm_gpu is not None and args.vllm_gpu < 0:
+        fail("vllm_gpu", f"must be a GPU's index, 0 or more, got {args.vllm_gpu}")
+    if args.vllm_gpu is not None and not torch.cuda.is_available():
+        fail("vllm_gpu", f"names GPU {args.vllm_gpu}, but torch finds no GPU here: vLLM would run on the CPU "
+                         "(--vllm-cpu-cores) and the run train there")
+
+
 def check_weight_sync(args):
-    """The installed vLLM's release, then --weight-sync, by default memory on a GPU and file on a CPU: vLLM moves
+    """The installed vLLM's release, --vllm-gpu only where there are GPUs, then --weight-sync, by default memory on a
+    GPU and file on a CPU: vLLM moves
     weights in memory on GPUs only (NCCL, CUDA IPC), or on a CPU with the tests' vLLM plugin, cpu_weight_transfer
     (its "nccl" engine over gloo)."""
     check_vllm_version(installed_vllm())
+    check_vllm_gpu(args)
     cuda = torch.cuda.is_available()
     if args.weight_sync is None:
         args.weight_sync = "memory" if cuda else "file"

@@ -46,21 +46,50 @@ def load_prompts(args, tokenizer):
                                   f"(it has {columns})")
         if len(dataset[split]) == 0:
             fail(argument, f"split {split!r} of {args.dataset_name} is empty")
+        where = f"split {split!r} of {args.dataset_name}"
         if "query" in columns:
-            texts = list(dataset[split]["query"])
+            texts = check_queries(list(dataset[split]["query"]), where)
         elif tokenizer.chat_template is None:
             fail("dataset_name", f"split {split!r} holds `messages` but the tokenizer of {args.sft_model_path} "
                                  "has no chat template")
         else:
             texts = [tokenizer.apply_chat_template(chat[:-1] if chat[-1]["role"] == "assistant" else chat,
                                                    tokenize=False, add_generation_prompt=True)
-                     for chat in dataset[split]["messages"]]
+                     for chat in check_chats(list(dataset[split]["messages"]), where)]
         ids = tokenizer(texts, add_special_tokens=False)["input_ids"]  # a template's BOS is in its text
         prompts[argument] = [q[-args.max_prompt_length:] for q in ids]
-        answers[argument] = ([str(a) for a in dataset[split][args.answer_column]] if args.rule_reward is not None
-                             else [None] * len(ids))
+        answers[argument] = ([None] * len(ids) if args.rule_reward is None else
+                             check_answers(args, list(dataset[split][args.answer_column]), where))
     return (prompts["dataset_train_split"], prompts["dataset_eval_split"], answers["dataset_train_split"],
             answers["dataset_eval_split"])
+
+
+def check_queries(texts, where):
+    """A split's `query` column (`where` names it), each row a non-empty text, else bad input naming the row."""
+    for row, text in enumerate(texts):
+        if not isinstance(text, str) or not text:
+            fail("dataset_name", f"{where}, row {row}: `query` must be a non-empty text, got {text!r}")
+    return texts
+
+
+def check_chats(chats, where):
+    """A split's `messages` column, each row a non-empty list of {"role": text, "content": text} turns."""
+    for row, chat in enumerate(chats):
+        if not (isinstance(chat, list) and chat and all(
+                isinstance(turn, dict) and isinstance(turn.get("role"), str) and isinstance(turn.get("content"), str)
+                for turn in chat)):
+            fail("dataset_name", f"{where}, row {row}: `messages` must be a list of turns "
+                                 f"{{\"role\": text, \"content\": text}}, got {str(chat)[:80]!r}")
+    return chats
+
+
+def check_answers(args, answers, where):
+    """A split's --answer-column, each row a text or a number, not empty: as texts."""
+    for row, answer in enumerate(answers):
+        if not isinstance(answer, (str, int, float)) or isinstance(answer, bool) or str(answer) == "":
+            fail("answer_column", f"{where}, row {row}: {args.answer_column!r} must be a non-empty text or number, "
+                                  f"got {answer!r}")
+    return [str(answer) for answer in answers]
 
 
 def load_tokenizer(path, trust_remote_code):

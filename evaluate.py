@@ -38,11 +38,12 @@ from types import SimpleNamespace
 from typing import Optional
 
 import torch
-import tyro
 from transformers import AutoTokenizer
 
-from checks import check_gpu_driver, check_model, check_model_path, check_numbers, fail
-from data import left_pad, load_model, load_tokenizer, read_dataset, right_pad, stop_token_id
+from checks import (check_gpu_driver, check_model, check_model_path, check_numbers, check_vllm_gpu, fail,
+                    parse_arguments)
+from data import (check_answers, check_chats, check_queries, left_pad, load_model, load_tokenizer, read_dataset,
+                  right_pad, stop_token_id)
 # Sampling and scoring exactly as in training: the RLHF details, the same in every script (tests/test_layout.py).
 from rloo_vllm import (RULE_REWARDS, forward, generate, response_logprobs, reward_scores, truncate_response,
                        vllm_generate)
@@ -143,7 +144,9 @@ def load_eval_data(args, tokenizer, stop_id):
     columns = split.column_names
     if "query" not in columns and "messages" not in columns:
         fail("dataset_name", f"split {args.dataset_eval_split!r} has no `query` or `messages` column (it has {columns})")
-    chats = None if "query" in columns else list(split["messages"])
+    where = f"split {args.dataset_eval_split!r} of {args.dataset_name}"
+    chats = None if "query" in columns else check_chats(list(split["messages"]), where)
+    queries = None if chats is not None else check_queries(list(split["query"]), where)
     if args.rule_reward and args.answer_column not in columns:
         fail("answer_column", f"split {args.dataset_eval_split!r} has no {args.answer_column!r} column (it has {columns})")
     if not args.rule_reward and args.reference_column not in columns and (
@@ -155,13 +158,13 @@ def load_eval_data(args, tokenizer, stop_id):
                              f"{args.sft_model_path} has no chat template")
     if args.num_eval_prompts:
         split = split.select(range(min(args.num_eval_prompts, len(split))))
-        chats = chats and chats[: len(split)]
-    texts = list(split["query"]) if chats is None else [
+        chats, queries = chats and chats[: len(split)], queries and queries[: len(split)]
+    texts = queries if chats is None else [
         tokenizer.apply_chat_template(chat[:-1] if chat[-1]["role"] == "assistant" else chat, tokenize=False,
                                       add_generation_prompt=True) for chat in chats]
     prompts = [q[-args.max_prompt_length:] for q in tokenizer(texts, add_special_tokens=False)["input_ids"]]
     if args.rule_reward:
-        return prompts, [str(a) for a in split[args.answer_column]]
+        return prompts, check_answers(args, list(split[args.answer_column]), where)
     reference_texts = (list(split[args.reference_column]) if args.reference_column in columns else
                        [chat[-1]["content"] for chat in chats])
     references = [r[: args.response_length - 1] + [stop_id] if stop_id not in r[: args.response_length] else
@@ -361,6 +364,10 @@ def validate(args):
             fail(name, f"must be at least 1, got {getattr(args, name)}")
     if args.num_eval_prompts < 0:
         fail("num_eval_prompts", "must be 0 (all) or more")
+    check_vllm_gpu(args)
+    if not 1 <= args.vllm_cpu_cores <= len(os.sched_getaffinity(0)):
+        fail("vllm_cpu_cores", f"must be between 1 and this machine's {len(os.sched_getaffinity(0))} cores, got "
+                               f"{args.vllm_cpu_cores}")
     if args.vllm_gpu_memory_utilization is not None and not 0 < args.vllm_gpu_memory_utilization <= 1:
         fail("vllm_gpu_memory_utilization", f"must be in (0, 1], got {args.vllm_gpu_memory_utilization}")
     if args.bf16 and torch.cuda.is_available() and not torch.cuda.is_bf16_supported(including_emulation=False):
@@ -376,4 +383,4 @@ def validate(args):
 
 
 if __name__ == "__main__":
-    main(tyro.cli(Args))
+    main(parse_arguments(Args))

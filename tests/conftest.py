@@ -53,10 +53,12 @@ def run_script(script, *args, **kwargs):
     return run([sys.executable, script, *args], **kwargs)
 
 
-def forked_runs(script, cases, output, env=None):
-    """Each of `cases` (argument lists) run as `python script *arguments` would, forked from one process that
-    imported the libraries once (tests/forked_runs.py): a list of (exit code, stdout, stderr, seconds)."""
-    run([sys.executable, "tests/forked_runs.py", script, json.dumps(cases), str(output)], env=env)
+def forked_runs(script, cases, output, env=None, validate_only=False):
+    """Each of `cases` (argument lists) run as `python script *arguments` would (or only through its validate()),
+    forked from one process that imported the libraries once (tests/forked_runs.py): a list of (exit code, stdout,
+    stderr, seconds)."""
+    run([sys.executable, "tests/forked_runs.py", script, json.dumps(cases), str(output),
+         *(["validate"] if validate_only else [])], env=env)
     with open(output) as f:
         return [(r["returncode"], r["stdout"], r["stderr"], r["seconds"]) for r in json.load(f)]
 
@@ -108,6 +110,12 @@ def bad_path(tmp_path, kind):
     elif kind in ("NOT_JSON_LINES", "EMPTY_TRAIN_FILE"):  # a train file cut off mid-line; an empty one
         (path / "train.jsonl").write_text('{"query": "hello"}\n{"query": "hel' if kind == "NOT_JSON_LINES" else "")
         (path / "test.jsonl").write_text('{"query": "hello"}\n' * 8)
+    elif kind in ("NUMBER_QUERY", "STRING_MESSAGES", "NULL_ANSWER"):  # a row of the wrong type, after good ones
+        good, bad = {"NUMBER_QUERY": ({"query": "hello"}, {"query": 12}),
+                     "STRING_MESSAGES": ({"messages": [{"role": "user", "content": "hello"}]}, {"messages": "hello"}),
+                     "NULL_ANSWER": ({"query": "2 + 3?", "answer": "5"}, {"query": "2 + 4?", "answer": None})}[kind]
+        for split in ("train", "test"):
+            (path / f"{split}.jsonl").write_text(json.dumps(good) + "\n" + json.dumps(bad) + "\n")
     elif kind == "CHAT_DATASET":
         for split in ("train", "test"):
             (path / f"{split}.jsonl").write_text('{"messages": [{"role": "user", "content": "2 + 3?"}], "answer": "5"}\n' * 64)
@@ -118,9 +126,9 @@ def bad_path(tmp_path, kind):
         else:
             for name in ("tokenizer.json", "tokenizer_config.json"):
                 (path / name).unlink()
-    elif kind == "NOT_JSON":
+    elif kind in ("NOT_JSON", "STAGE_4"):  # cut off; a ZeRO stage that does not exist
         path = path / "zero2.json"
-        path.write_text('{"zero_optimization": {"stage": 2},')
+        path.write_text('{"zero_optimization": {"stage": 2},' if kind == "NOT_JSON" else '{"zero_optimization": {"stage": 4}}')
     elif kind == "A_FILE":
         path = os.path.join(TINY, "sft", "config.json")
     elif kind == "PPO_CHECKPOINT":  # a checkpoint written by another script

@@ -3,24 +3,33 @@
 executes the script as __main__ with its own sys.argv, stdout and stderr. For the runs that end before any model
 loads (--help, bad input), where importing takes nearly all of a run's 5-8 s.
 
-python tests/forked_runs.py SCRIPT '[[ARGUMENTS...], ...]' OUTPUT writes, as JSON into OUTPUT, each run's
-{"returncode", "stdout", "stderr", "seconds"}."""
+python tests/forked_runs.py SCRIPT '[[ARGUMENTS...], ...]' OUTPUT [validate] writes, as JSON into OUTPUT, each
+run's {"returncode", "stdout", "stderr", "seconds"}. With `validate`, a run parses its arguments and calls the script's
+validate() (its argument checks, before any file is read) instead of main(): 0 where they pass."""
 
 import importlib
 import json
 import os
 import runpy
+import signal
 import sys
 import tempfile
 import time
 import traceback
 
 
-def run_as_main(script, arguments):
-    """In a child process: run `script` as `python script arguments...` would; returns its exit code."""
+def run_as_main(script, arguments, validate_only):
+    """In a child process: run `script` as `python script arguments...` would (or only its validate()); returns its
+    exit code."""
     sys.argv = [script, *arguments]
     try:
-        runpy.run_path(script, run_name="__main__")
+        if validate_only:
+            module = sys.modules[script[:-3]]
+            args = module.parse_arguments(module.Args)
+            args.world_size = 1
+            module.validate(args)
+        else:
+            runpy.run_path(script, run_name="__main__")
         return 0
     except SystemExit as stop:  # sys.exit(2), tyro's usage errors, --help
         if stop.code is None or isinstance(stop.code, int):
@@ -34,6 +43,7 @@ def run_as_main(script, arguments):
 
 def main():
     script, cases, output = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3]
+    validate_only = sys.argv[4:] == ["validate"]
     sys.argv = [script]  # as the script's own process has it when its modules are imported
     sys.path.insert(0, os.getcwd())
     importlib.import_module(script[:-3])
@@ -43,13 +53,20 @@ def main():
             started = time.time()
             pid = os.fork()
             if pid == 0:
+                os.setsid()  # its own process group: vLLM's engine processes are stopped with it
                 os.dup2(out.fileno(), 1)
                 os.dup2(err.fileno(), 2)
-                code = run_as_main(script, arguments)
+                code = run_as_main(script, arguments, validate_only)
                 sys.stdout.flush()
                 sys.stderr.flush()
                 os._exit(code)
-            _, status = os.waitpid(pid, 0)
+            while True:
+                done, status = os.waitpid(pid, os.WNOHANG)
+                if done:
+                    break
+                if time.time() - started > 60:  # a run that gets past its checks (to train) is stopped at a minute
+                    os.killpg(pid, signal.SIGKILL)
+                time.sleep(0.02)
             seconds = time.time() - started
             out.seek(0)
             err.seek(0)

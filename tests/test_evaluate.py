@@ -70,6 +70,8 @@ BAD_INPUT = [
     (["--checkpoints", "CORRUPT_CONFIG"], "--checkpoints"),
     (["--checkpoints", "NO_TOKENIZER"], "--checkpoints"),
     (["--checkpoints", "A_FILE"], "--checkpoints"),
+    (["--checkpoints", "assets/tiny/sft", "--dataset-name", "NUMBER_QUERY"], "--dataset-name"),
+    (["--checkpoints", "assets/tiny/sft", "--dataset-name", "STRING_MESSAGES"], "--dataset-name"),
 ]
 
 

@@ -116,7 +116,7 @@ def test_each_script_reads_args_algorithm_main_then_its_checks_and_details(scrip
     line_of = {name: node.lineno - 1 for name, (node, _) in definitions(script).items()}
     assert line_of["Args"] < algorithm < line_of["main"] < line_of["validate"]
     assert all(line_of["validate"] < line for name, line in line_of.items() if name in DETAILS)
-    assert lines[-2:] == ['if __name__ == "__main__":', "    main(tyro.cli(Args))"]
+    assert lines[-2:] == ['if __name__ == "__main__":', "    main(parse_arguments(Args))"]
     if script != "evaluate.py":
         loop = next(i for i, line in enumerate(lines) if line.startswith("    for update in range("))
         assert line_of["main"] < loop < 350, f"the loop starts at line {loop + 1}"

@@ -1,6 +1,7 @@
 """The algorithm scripts run as a user runs them: defaults, learning, resume, DeepSpeed, bad input."""
 
 import concurrent.futures
+import dataclasses
 import glob
 import json
 import math
@@ -13,6 +14,7 @@ import subprocess
 import sys
 import threading
 import time
+import typing
 
 import pytest
 import torch
@@ -521,6 +523,15 @@ BAD_INPUT = [  # (script, arguments, the argument the error must name)
     ("bok_vllm.py", ["--k", "3"], "--k"),
     ("rloo_vllm.py", ["--seed", str(2**32)], "--seed"),  # would overflow vLLM's sampling seed after loading
     ("online_dpo_vllm.py", ["--sync", "--resume", "ASYNC_RUN"], "--resume"),  # its saved batches are stale
+    # A row of the wrong type, in any script (data.py): a number as `query`, a text as `messages`, no answer; a ZeRO
+    # stage that does not exist; --vllm-gpu on a machine without GPUs (vLLM and the run would go on on the CPU).
+    ("rloo.py", ["--dataset-name", "NUMBER_QUERY"], "--dataset-name"),
+    ("grpo_vllm.py", ["--dataset-name", "NUMBER_QUERY"], "--dataset-name"),
+    ("online_dpo.py", ["--dataset-name", "STRING_MESSAGES"], "--dataset-name"),
+    ("bok.py", ["--rule-reward", "last_number", "--dataset-name", "NULL_ANSWER", "--sft-model-path",
+                "assets/tiny_math/sft"], "--answer-column"),
+    ("grpo.py", ["--deepspeed-config", "STAGE_4"], "--deepspeed-config"),
+    ("bok_vllm.py", ["--vllm-gpu", "0"], "--vllm-gpu"),
     ("rloo.py", ["--k", "4", "--resume", "RLOO_RUN_K4", "--stop-token", "no such token"], "--stop-token"),  # found
     # once the tokenizer has loaded, and still before anything is written into the run it resumes
 ]
@@ -559,6 +570,49 @@ def test_bad_input_exits_2_with_one_line_naming_the_argument(warm_runs, case):
     (returncode, _, stderr, seconds), tmp, untouched = warm_runs[script][position]
     assert_bad_input_result(returncode, stderr, seconds, argument)
     assert set(os.listdir(tmp)) <= {"bad"} and untouched  # nothing was run or written, not even into a resumed run
+
+
+# The argument walk: every number of every script's Args, out of its domain (a word; a fraction where a count goes;
+# NaN and infinity; -1 and 0 but where they mean something: below), and every choice given an unknown value, must end
+# in one line naming that argument, exit code 2: parsed and checked (validate) in a forked run each.
+WALK_SCRIPTS = SCRIPTS + ["evaluate.py"]
+COMPUTED = {"local_rank", "world_size", "local_batch_size", "batch_size", "num_updates"}  # set by the script
+NEGATIVE_OK = {"missing_eos_penalty"}
+ZERO_OK = {"seed", "missing_eos_penalty", "kl_coef", "beta", "gamma", "lam", "is_cap", "eval_every", "save_every",
+           "check_weights_every"}  # (0: none, or never)
+CHOICES = ("missing_eos_mode", "loss_type", "is_level", "is_mode", "weight_sync", "rule_reward", "backend")
+
+
+def walk_cases(script):
+    """(argument, value) pairs that `script` must reject."""
+    cases = []
+    for field in dataclasses.fields(__import__(script[:-3]).Args):
+        kind = typing.get_args(field.type)[0] if typing.get_origin(field.type) is typing.Union else field.type
+        flag = "--" + field.name.replace("_", "-")
+        if field.name in COMPUTED:
+            continue
+        if kind in (int, float):
+            values = ["word", "1.5"] if kind is int else ["word", "nan", "inf", "-inf"]
+            zero_ok = ZERO_OK | ({"num_eval_prompts", "temperature"} if script == "evaluate.py" else set())  # all, greedy
+            values += [v for v, ok in (("-1", NEGATIVE_OK), ("0", zero_ok)) if field.name not in ok]
+            cases += [(flag, value) for value in values]
+        elif field.name in CHOICES:
+            cases.append((flag, "unknown"))
+    return cases
+
+
+@pytest.mark.parametrize("script", WALK_SCRIPTS)
+def test_every_number_and_choice_out_of_its_domain_ends_in_one_line_naming_it(tmp_path, script):
+    cases = walk_cases(script)
+    base = ["--checkpoints", "assets/tiny/sft"] if script == "evaluate.py" else []
+    results = forked_runs(script, [[*base, flag, value] for flag, value in cases], tmp_path / "walk.json",
+                          validate_only=True)
+    wrong = []
+    for (flag, value), (returncode, _, stderr, _) in zip(cases, results):
+        errors = [line for line in stderr.splitlines() if line.startswith("error:")]
+        if not (returncode == 2 and len(errors) == 1 and errors[0].startswith(f"error: {flag}:")):
+            wrong.append((flag, value, returncode, errors[:1] or stderr[-300:]))
+    assert len(cases) >= 40 and not wrong, wrong
 
 
 def test_bad_input_in_a_process_of_its_own_as_a_user_runs_it():
