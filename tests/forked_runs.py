@@ -64,7 +64,7 @@ def main():
                 done, status = os.waitpid(pid, os.WNOHANG)
                 if done:
                     break
-                if time.time() - started > 60:  # a run that gets past its checks (to train) is stopped at a minute
+                if time.time() - started > 300:  # a run that gets past its checks (to train) is stopped
                     os.killpg(pid, signal.SIGKILL)
                 time.sleep(0.02)
             seconds = time.time() - started
