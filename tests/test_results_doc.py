@@ -1,0 +1,264 @@
+"""docs/results.md's tables against the stored outputs they come from (benchmark/results/): every numeric cell is
+recomputed from its output file and rounded as the doc rounds, so a rerun that changes a number fails the doc's row
+until the doc is updated. Every table of the doc is checked or listed in UNCHECKED with the reason. (README.md's
+tables list scripts and modules; its measured figures are in sentences, which this test does not read.)"""
+
+import ast
+import csv
+import os
+import re
+from decimal import ROUND_HALF_UP, Decimal
+from fractions import Fraction
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DOC = os.path.join(ROOT, "docs", "results.md")
+RESULTS = os.path.join(ROOT, "benchmark", "results")
+
+
+def read(name):
+    with open(os.path.join(RESULTS, name)) as f:
+        return f.read()
+
+
+def rounded(value, places):
+    """`value` (a float, a Fraction or a decimal string, each taken exactly) to `places` decimals, halves up."""
+    value = Fraction(value)
+    exact = Decimal(value.numerator) / Decimal(value.denominator)
+    return str(exact.quantize(Decimal(1).scaleb(-places), rounding=ROUND_HALF_UP))
+
+
+def signed(value, places):
+    """`rounded`, with its sign (a gain of points)."""
+    text = rounded(value, places)
+    return text if text.startswith("-") else "+" + text
+
+
+def doc_tables():
+    """Every table of the doc: (its header's cells, {row label: the row's cells}), in order."""
+    tables, block = [], []
+    with open(DOC) as f:
+        for line in [*f, ""]:
+            line = line.strip()
+            if line.startswith("|") and line.endswith("|"):
+                block.append([cell.strip() for cell in line[1:-1].split("|")])
+            elif block:
+                tables.append((block[0], {row[0]: row for row in block[2:]}))  # block[1] is the |---| line
+                block = []
+    return tables
+
+
+# --- Figure 4 in miniature and with real asynchrony: means over the seeds of a CSV of benchmark/tiny_*.py ---
+
+ALGORITHMS = {"online DPO": "online_dpo", "PPO": "ppo", "PPO + IS": "ppo+IS", "RLOO": "rloo", "RLOO + IS": "rloo+IS",
+              "best-of-2": "bok", "GRPO": "grpo", "GRPO + IS": "grpo+IS", "DAPO + IS": "dapo+IS"}
+
+
+def tiny_csv(name, knob):
+    """'mean win rate (mean KL)' over the seeds of one algorithm and value of the knob (N or K), as the
+    benchmark prints it; empty where the CSV has no run."""
+    with open(os.path.join(RESULTS, name)) as f:
+        rows = list(csv.DictReader(f))
+
+    def cell(label, column):
+        knob_value = re.fullmatch(r"[NK] = (\d+)( \(sync\))?", column)
+        if not knob_value:
+            raise KeyError(column)
+        runs = [row for row in rows if row["algorithm"] == ALGORITHMS[label] and int(row[knob]) == int(knob_value[1])]
+        if not runs:
+            return ""
+        win_rate = sum(float(row["win_rate"]) for row in runs) / len(runs)
+        kl = sum(float(row["kl"]) for row in runs) / len(runs)
+        return f"{rounded(win_rate, 3)} ({rounded(kl, 1)})"
+    return cell
+
+
+# --- benchmark/async_speedup.py's outputs ---
+
+def speedup_output(text):
+    """One script's part of an async_speedup.py output: per mode its columns, its final accuracy by seed (as
+    printed; only with several seeds) and its accuracy curve [(loop seconds, accuracy)], as printed."""
+    header = re.search(r"^ {8}( +loop seconds.*)$", text, re.M).group(1)
+    names = [header[i:i + 17].strip() for i in range(0, len(header), 17)]  # 17 characters a column, as printed
+    out = {}
+    for mode in ("sync", "async"):
+        values = re.search(rf"^{mode} +([\d. ]+)$", text, re.M).group(1).split()
+        seeds = re.search(rf"^{mode} final scores by seed: (.*)$", text, re.M)
+        curve = re.search(rf"^{mode} +accuracy against loop seconds: (.*)$", text, re.M).group(1).split()
+        out[mode] = {"columns": dict(zip(names, values)), "seeds": seeds and seeds.group(1).split(", "),
+                     "curve": [tuple(point.split("s:")) for point in curve]}
+    reached = re.search(r"first at the sync run's final accuracy, [\d.]+: sync ([\d.]+) s, async ([\d.]+|never)", text)
+    out["sync reached"], out["async reached"] = reached.groups()
+    return out
+
+
+def exact(accuracy, prompts):
+    """A printed accuracy as the fraction it is: greedy answers scored 0 or 1, so k / prompts (the printout has 3
+    decimals; gains computed from it would round twice)."""
+    k = round(float(accuracy) * prompts)
+    assert abs(Fraction(accuracy) - Fraction(k, prompts)) <= Fraction(1, 2000), (accuracy, prompts)
+    return Fraction(k, prompts)
+
+
+def gain(finals, start):
+    """'+mean (+seed 1, +seed 2)' in points of accuracy."""
+    gains = [(final - start) * 100 for final in finals]
+    return f"{signed(sum(gains) / len(gains), 1)} ({', '.join(signed(g, 1) for g in gains)})"
+
+
+def smollm2_run(name):
+    """One SmolLM2 table of results.md's list: rows `--sync` and async K = 1 of one output."""
+    output = speedup_output(read(name))
+    modes = {"`--sync`": output["sync"], "async K = 1": output["async"]}
+    columns = {
+        "final accuracy, seed 1, seed 2": lambda mode: ", ".join(mode["seeds"]),
+        "gain, mean (each)": lambda mode: gain([exact(seed, 96) for seed in mode["seeds"]],
+                                               exact(mode["curve"][0][1], 96)),
+        "mean curve (start -> 5 -> 10)": lambda mode: " -> ".join(accuracy for _, accuracy in mode["curve"]),
+        "episodes/s": lambda mode: mode["columns"]["episodes/s"],
+    }
+    return lambda label, column: columns[column](modes[label])
+
+
+def smollm2_lr3e6():
+    """The lr 3e-6 table: each seed's run in its own output."""
+    outputs = {script: [speedup_output(read(f"async_speedup_smollm2_{script}{seed}.txt")) for seed in ("", "_seed2")]
+               for script in ("rloo", "online_dpo")}
+    rows = {"`rloo_vllm.py --sync`": ("rloo", "sync"), "`rloo_vllm.py`, async K = 1": ("rloo", "async"),
+            "`online_dpo_vllm.py --sync`": ("online_dpo", "sync"),
+            "`online_dpo_vllm.py`, async K = 1": ("online_dpo", "async")}
+    columns = {
+        "greedy test accuracy, seed 1 (start -> update 5 -> 10)":
+            lambda runs: " -> ".join(accuracy for _, accuracy in runs[0]["curve"]),
+        "seed 2": lambda runs: " -> ".join(accuracy for _, accuracy in runs[1]["curve"]),
+        "gain, mean of 2 (each)": lambda runs: gain([exact(run["curve"][-1][1], 96) for run in runs],
+                                                    exact(runs[0]["curve"][0][1], 96)),
+        "episodes/s (seed 1, 2)": lambda runs: ", ".join(run["columns"]["episodes/s"] for run in runs),
+    }
+
+    def cell(label, column):
+        script, mode = rows[label]
+        return columns[column]([output[mode] for output in outputs[script]])
+    return cell
+
+
+def hf_scripts():
+    """smollm2_hf_scripts.txt: {script: [(update, accuracy), ...] per seed}."""
+    runs = {}
+    for script, seed, curve in re.findall(r"^(\w+) seed (\d) .*?: (\[.*\])$", read("smollm2_hf_scripts.txt"), re.M):
+        runs.setdefault(script, {})[int(seed)] = ast.literal_eval(curve)
+    return runs
+
+
+def smollm2_recipe():
+    """The recipe's summary: each algorithm's `*_vllm.py` in both modes (async_speedup.py's outputs) and its
+    HF-generation sibling (smollm2_hf_scripts.txt), 'mean (seed 1, seed 2)' of the final accuracy."""
+    # The outputs' names: async_speedup_smollm2_<name>_lr1e-5.txt and <name> in smollm2_hf_scripts.txt.
+    names = {"RLOO": "rloo", "online DPO": "online_dpo", "PPO": "ppo", "best of 4 (`bok`)": "bok", "GRPO": "grpo",
+             "DAPO (`grpo --loss-type dapo --cliprange-high 0.28`, beta 0.04, before DAPO's defaults)": "dapo"}
+    hf = hf_scripts()
+
+    def vllm(name):
+        return speedup_output(read(f"async_speedup_smollm2_{name}_lr1e-5.txt"))
+
+    columns = {
+        "`*_vllm.py --sync`": lambda name: vllm(name)["sync"]["seeds"],
+        "`*_vllm.py` async K = 1": lambda name: vllm(name)["async"]["seeds"],
+        "HF generation (`rloo.py`, ...)": lambda name: [f"{hf[name][seed][-1][1]:.3f}" for seed in (1, 2)],
+    }
+
+    def cell(label, column):
+        seeds = columns[column](names[label])
+        mean = sum(exact(seed, 96) for seed in seeds) / 2
+        return f"{rounded(mean, 3)} ({', '.join(seeds)})"
+    return cell
+
+
+def math_task():
+    """The math task's table (3 seeds, 288 test problems): one part of the output per script."""
+    parts = re.split(r"\n\n(?=running )", read("async_speedup_math.txt"))
+    outputs = {f"`{part.split()[1]}.py`": speedup_output(part) for part in parts}
+
+    def speed_up(output, sync, asynchronous):
+        ratio = Fraction(asynchronous["episodes/s"]) / Fraction(sync["episodes/s"])
+        return (f"{rounded(ratio, 2)}x ({rounded(sync['episodes/s'], 0)} -> "
+                f"{rounded(asynchronous['episodes/s'], 0)} episodes/s)")
+
+    def sooner(output, sync, asynchronous):
+        reached = Fraction(output["async reached"])
+        return (f"{rounded(Fraction(output['sync reached']) / reached, 2)}x / "
+                f"{rounded(Fraction(sync['loop seconds']) / reached, 2)}x")
+    columns = {
+        "throughput speed-up": speed_up,
+        "sync: final accuracy, loop time": lambda output, sync, _: (
+            f"{sync['accuracy']} ({', '.join(output['sync']['seeds'])}), {rounded(sync['loop seconds'], 1)} s"),
+        "async reaches it at": lambda output, *_: f"{output['async reached']} s",
+        "async sooner than sync reached it / than sync ended": sooner,
+        "async's own end": lambda output, _, asynchronous: (
+            f"{asynchronous['accuracy']} at {rounded(asynchronous['loop seconds'], 1)} s"),
+    }
+
+    def cell(label, column):
+        output = outputs[label]
+        return columns[column](output, output["sync"]["columns"], output["async"]["columns"])
+    return cell
+
+
+# A table is named by its header's first two cells. The two Figure-4 tables with real asynchrony share a header
+# and a CSV (their rows differ).
+CHECKED = {
+    ("algorithm", "N = 1"): lambda: tiny_csv("tiny_offpolicy.csv", "n"),
+    ("algorithm", "K = 0 (sync)"): lambda: tiny_csv("tiny_async.csv", "k"),
+    ("script", "throughput speed-up"): math_task,
+    ("algorithm", "`*_vllm.py --sync`"): smollm2_recipe,
+    ("script, 10 updates", "greedy test accuracy, seed 1 (start -> update 5 -> 10)"): smollm2_lr3e6,
+    ("`rloo_vllm.py`, lr 1e-5, 10 updates", "final accuracy, seed 1, seed 2"):
+        lambda: smollm2_run("async_speedup_smollm2_rloo_lr1e-5.txt"),
+    ("`online_dpo_vllm.py`, lr 1e-5, 10 updates", "final accuracy, seed 1, seed 2"):
+        lambda: smollm2_run("async_speedup_smollm2_online_dpo_lr1e-5.txt"),
+    ("`ppo_vllm.py`, lr 1e-5, 10 updates", "final accuracy, seed 1, seed 2"):
+        lambda: smollm2_run("async_speedup_smollm2_ppo_lr1e-5.txt"),
+    ("`bok_vllm.py`, lr 1e-5, 10 updates", "final accuracy, seed 1, seed 2"):
+        lambda: smollm2_run("async_speedup_smollm2_bok_lr1e-5.txt"),
+    ("`grpo_vllm.py`, lr 1e-5, 10 updates", "final accuracy, seed 1, seed 2"):
+        lambda: smollm2_run("async_speedup_smollm2_grpo_lr1e-5.txt"),
+    ("`grpo_vllm.py --loss-type dapo`, lr 1e-5, 10 updates", "final accuracy, seed 1, seed 2"):
+        lambda: smollm2_run("async_speedup_smollm2_dapo_lr1e-5.txt"),
+}
+
+UNCHECKED = {
+    ("", "paper (TL;DR, Pythia 2.8b, 4 x A100)"):
+        "the paper's figures beside ours in words; ours are the speed-up tables below it",
+    ("script", "sync loop"): "no stored output: needs a rerun of `python benchmark/async_speedup.py`",
+    ("script, settings", "sync loop"): "no stored output: needs a rerun of the async_speedup.py commands above it",
+    ("script", "gold at 19,200 episodes"): "no stored output (taken from each script's doc): needs each default run",
+}
+
+
+def test_every_table_of_results_md_is_checked_or_listed_with_a_reason():
+    keys = [tuple(header[:2]) for header, _ in doc_tables()]
+    assert [key for key in keys if key not in CHECKED and key not in UNCHECKED] == []
+    # A renamed header would otherwise leave its table unchecked without a failure.
+    assert [key for key in [*CHECKED, *UNCHECKED] if key not in keys] == []
+
+
+@pytest.mark.parametrize("key", list(CHECKED), ids=[key[0] for key in CHECKED])
+def test_table_cells_equal_their_stored_outputs(key):
+    cell = CHECKED[key]()
+    mismatches, checked = [], 0
+    for header, rows in doc_tables():
+        if tuple(header[:2]) != key:
+            continue
+        for label, row in rows.items():
+            assert len(row) == len(header), f"row {label!r}: {len(row)} cells under {len(header)} columns"
+            for column, value in zip(header[1:], row[1:]):
+                try:
+                    stored = cell(label, column)
+                except KeyError as unknown:  # a row or column this test does not map to its output
+                    stored = f"nothing: the test knows no row or column {unknown}"
+                checked += 1
+                if value != stored:
+                    mismatches.append(f"row {label!r}, column {column!r}: the doc has {value!r}, the output {stored!r}")
+    assert checked, f"no table of the doc has the header {key}"
+    assert not mismatches, "\n".join(mismatches)
