@@ -9,19 +9,22 @@ batch (the off-policy knob of Noukhovitch et al. 2025, "Asynchronous RLHF", arXi
     grpo     per-token clipped ratio; each response's tokens averaged, then the responses (Shao et al. 2024)
     dr_grpo  no division by the group's std, the tokens summed over a constant (Liu et al. 2025, "Dr. GRPO")
     dapo     --cliprange-high above --cliprange-low; one mean over all the tokens of the mini-batch; prompts whose k
-             scores are all equal left out (Yu et al. 2025, "DAPO")
+             scores are all equal left out and the batch refilled (dynamic sampling); overlong reward shaping
+             (Yu et al. 2025, "DAPO")
     gspo     one ratio per response, the geometric mean of its tokens' ratios (Zheng et al. 2025, "GSPO")
     cispo    the importance weight, clipped at 1 + --cliprange-high with its gradient stopped, times the token's
              log-probability: clipped tokens still learn (MiniMax 2025, "MiniMax-M1")
-RLOO (rloo.py) is Dr. GRPO up to a factor k / (k - 1), with a sequence-level ratio and the KL in the reward.
+Each runs with its paper's settings unless told otherwise (loss_defaults()). RLOO (rloo.py) is Dr. GRPO up to a
+factor k / (k - 1), with a sequence-level ratio and the KL in the reward.
 
     python grpo.py                                     # the offline tiny task, on a CPU
-    python grpo.py --loss-type dapo --cliprange-high 0.28
+    python grpo.py --loss-type dapo
     python grpo.py --help                              # every argument
     deepspeed --num_gpus 4 grpo.py --deepspeed-config ds_configs/zero3.json \\
         --sft-model-path ... --reward-model-path ... --dataset-name ...
 """
 
+import json
 import os
 import re
 import time
@@ -108,13 +111,19 @@ class Args:
     k: int = 4
     """responses sampled per prompt"""
     loss_type: str = "grpo"
-    """the objective: `grpo`, `dr_grpo`, `dapo`, `gspo` or `cispo` (the module's docstring, grpo_policy_loss())"""
-    beta: float = 0.04
-    """weight of the KL to the reference in the loss (Shao et al.: 0.04; Dr. GRPO and DAPO: 0)"""
-    cliprange_low: float = 0.2
-    """the ratio is clipped below at 1 - cliprange_low (GSPO's paper: 3e-4)"""
-    cliprange_high: float = 0.2
-    """the ratio is clipped above at 1 + cliprange_high (DAPO: 0.28; GSPO's paper: 4e-4; CISPO clips its weight there)"""
+    """the objective: `grpo`, `dr_grpo`, `dapo`, `gspo` or `cispo` (the module's docstring, grpo_policy_loss()); --beta, --cliprange-low, --cliprange-high and --overlong-buffer default to what its paper ran"""
+    beta: Optional[float] = None
+    """weight of the KL to the reference in the loss (default by --loss-type: grpo 0.04, the others 0)"""
+    cliprange_low: Optional[float] = None
+    """the ratio is clipped below at 1 - cliprange_low (default by --loss-type: 0.2, gspo 3e-4; cispo has no lower clip)"""
+    cliprange_high: Optional[float] = None
+    """the ratio is clipped above at 1 + cliprange_high (default by --loss-type: 0.2, dapo 0.28, gspo 4e-4, cispo 4: its weight's cap of 5)"""
+    overlong_buffer: Optional[int] = None
+    """DAPO's overlong shaping: a response whose stop token falls in the last this many of --response-length tokens loses up to 1 point, linearly (0: off; default by --loss-type: dapo a fifth of --response-length, as its paper's 4096 of 20480; the others 0)"""
+    overlong_filter: bool = False
+    """leave responses cut at --response-length (no stop token) out of the loss (DAPO's overlong filtering)"""
+    dynamic_sampling_rounds: Optional[int] = None
+    """DAPO's dynamic sampling: train only on prompts whose k reward scores differ, generating up to this many batches of prompts to fill a batch, else stop with an error (0: off; default by --loss-type: dapo 10, the others 0)"""
 
     deepspeed_config: str = "ds_configs/zero2.json"
     """DeepSpeed JSON config (ZeRO stage, offload); batch sizes and precision are filled in here"""
@@ -150,6 +159,56 @@ class Args:
 # ===========================================================================================================
 
 LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "gspo", "cispo")
+SAMPLING = "sampling.json"  # in a checkpoint: how many generation batches dynamic sampling has used
+
+
+def loss_defaults(loss_type, response_length):
+    """What each loss type runs with when an argument is not given: its paper's settings. GSPO clips its sequence ratio
+    at 3e-4 / 4e-4, since a mean of log-ratios moves far less than a token's; CISPO caps its weight at 5 (ScaleRL) and
+    has no lower clip; DAPO's overlong buffer is its paper's 4096 of 20480 tokens."""
+    beta, low, high = {"grpo": (0.04, 0.2, 0.2), "dr_grpo": (0.0, 0.2, 0.2), "dapo": (0.0, 0.2, 0.28),
+                       "gspo": (0.0, 3e-4, 4e-4), "cispo": (0.0, None, 4.0)}[loss_type]
+    return {"beta": beta, "cliprange_low": low, "cliprange_high": high,
+            "overlong_buffer": response_length // 5 if loss_type == "dapo" else 0}
+
+
+def overlong_penalty(responses, stop_token_id, response_length, buffer):
+    """DAPO's overlong reward shaping (Yu et al. 2025, eq. 13), added to the score of a response that ends with its stop
+    token: 0 up to response_length - buffer tokens (the stop token included), then falling linearly to -1 at
+    response_length. A response without a stop token gets --missing-eos-penalty instead (by default -1 added: the
+    equation's value past the length)."""
+    is_stop = responses == stop_token_id
+    lengths = is_stop.int().argmax(1) + 1
+    penalty = ((response_length - buffer - lengths) / max(buffer, 1)).clamp(-1.0, 0.0)
+    return torch.where(is_stop.any(1), penalty, 0.0)
+
+
+def merge_groups(parts, k, num_prompts, pad_token_id):
+    """Generation batches of (queries, responses, raw scores, scores), each in the k-block layout, as one batch of
+    their first num_prompts prompts: queries left-padded and responses right-padded to a common width."""
+    queries, responses, raw_scores, scores = zip(*parts)
+
+    def widen(tensors, left):
+        width = max(t.shape[1] for t in tensors)
+        return [torch.nn.functional.pad(t, (width - t.shape[1], 0) if left else (0, width - t.shape[1]),
+                                        value=pad_token_id) for t in tensors]
+
+    def first_prompts(tensors):
+        return torch.cat([t.view(k, -1, *t.shape[1:]) for t in tensors], 1)[:, :num_prompts].flatten(0, 1)
+
+    return [first_prompts(t) for t in (widen(queries, True), widen(responses, False), raw_scores, scores)]
+
+
+def loss_mask(responses, padding_mask, equal, stop_token_id, loss_type, overlong_filter):
+    """The response tokens the loss counts: with dapo, not those of prompts whose k scores are all equal (their
+    advantages are 0 and their tokens would only dilute the mean); with --overlong-filter, not those of responses cut
+    at --response-length (DAPO's overlong filtering)."""
+    mask = ~padding_mask
+    if loss_type == "dapo":
+        mask &= ~equal.unsqueeze(1)
+    if overlong_filter:
+        mask &= (responses == stop_token_id).any(1, keepdim=True)
+    return mask
 
 
 def group_advantages(scores, k, scale=True):
@@ -221,14 +280,18 @@ def main(args):
     reward_model = frozen_engine(args, load_model(args, args.reward_model_path, reward=True))
     gold_model = frozen_engine(args, load_model(args, args.gold_reward_model_path, reward=True))
 
-    start_update, episode = 0, 0
+    start_update, episode, generation_batch = 0, 0, 0
     if args.resume:
         start_update, episode = load_checkpoint(latest_checkpoint(args.resume), {"policy": policy})
+        with open(os.path.join(latest_checkpoint(args.resume), SAMPLING)) as f:
+            generation_batch = json.load(f)["generation_batches"]
 
     run_log = RunLog(args, run_dir, run_name, start_update, episode)  # metrics.jsonl, wandb, the console
-    if rank == 0:
+    if rank == 0:  # with the values in force of the arguments whose default is the loss type's
+        in_force = (*loss_defaults(args.loss_type, 0), "overlong_filter", "dynamic_sampling_rounds")
         print(f"run {run_dir}: {args.num_updates} updates of {args.batch_size} responses "
-              f"({args.batch_size // args.k} prompts x {args.k})", flush=True)
+              f"({args.batch_size // args.k} prompts x {args.k}); --loss-type {args.loss_type} with "
+              + ", ".join(f"--{name.replace('_', '-')} {getattr(args, name)}" for name in in_force), flush=True)
 
     pad = tokenizer.pad_token_id
     if not args.resume:  # the curves start from the SFT policy
@@ -237,24 +300,51 @@ def main(args):
         run_log.log(0, {**eval_metrics, "episode": 0}, samples)
     start_time, start_episode = time.time(), episode
     for update in range(start_update + 1, args.num_updates + 1):
-        # 1. Generate k responses per prompt with the current policy.
-        t0 = time.time()
-        indices = prompt_batch(len(train_prompts), prompts_per_rank, update - 1, args.seed, rank, args.world_size)
-        queries = left_pad([train_prompts[i] for i in indices], pad, device).repeat(args.k, 1)
-        answers = [train_answers[i] for i in indices] * args.k  # the k blocks of queries
+        # 1. Generate k responses per prompt with the current policy and score them (the missing-EOS penalty and DAPO's
+        #    overlong shaping included). With dynamic sampling (DAPO), only prompts whose k scores differ stay, and
+        #    further batches of prompts are generated until every rank has a batch of them; the surplus is dropped.
+        t0, generating, parts, generated_groups, equal_groups = time.time(), 0.0, [], 0, 0
+        while True:
+            indices = prompt_batch(len(train_prompts), prompts_per_rank, generation_batch, args.seed, rank,
+                                   args.world_size)
+            generation_batch += 1
+            queries = left_pad([train_prompts[i] for i in indices], pad, device).repeat(args.k, 1)
+            answers = [train_answers[i] for i in indices] * args.k  # the k blocks of queries
+            started = time.time()
+            with unwrapped_for_generation(policy) as model:
+                responses = generate(model, queries, pad, stop_id, args.response_length, args.temperature)
+            responses = truncate_response(responses, stop_id, pad)
+            generating += time.time() - started
+            query_responses, step = torch.cat([queries, responses], 1), args.per_device_train_batch_size
+            raw_scores = torch.cat([score_responses(args, reward_model, query_responses[i: i + step], queries.shape[1],
+                                                    answers[i: i + step], tokenizer)
+                                    for i in range(0, len(query_responses), step)])
+            scores = apply_missing_eos_penalty(raw_scores, responses, stop_id, args.missing_eos_penalty,
+                                               args.missing_eos_mode)
+            scores = scores + overlong_penalty(responses, stop_id, args.response_length, args.overlong_buffer)
+            parts.append((queries, responses, raw_scores, scores))
+            equal = group_advantages(scores, args.k)[1][:prompts_per_rank]  # per prompt: its k scores all equal
+            generated_groups, equal_groups = generated_groups + prompts_per_rank, equal_groups + equal.sum().item()
+            if not args.dynamic_sampling_rounds:
+                break
+            parts[-1] = [t.view(args.k, -1, *t.shape[1:])[:, ~equal].flatten(0, 1) for t in parts[-1]]
+            kept = torch.tensor(sum(len(part[0]) for part in parts) // args.k, device=device)
+            dist.all_reduce(kept, op=dist.ReduceOp.MIN)
+            if kept >= prompts_per_rank:
+                break
+            if len(parts) == args.dynamic_sampling_rounds:
+                fail("dynamic_sampling_rounds", f"{len(parts)} batches of prompts gave a rank only {kept.item()} of "
+                                                f"{prompts_per_rank} prompts whose {args.k} scores differ; allow more")
+        queries, responses, raw_scores, scores = merge_groups(parts, args.k, prompts_per_rank, pad)
         context_length = queries.shape[1]
-        with unwrapped_for_generation(policy) as model:
-            responses = generate(model, queries, pad, stop_id, args.response_length, args.temperature)
-        responses = truncate_response(responses, stop_id, pad)
         query_responses = torch.cat([queries, responses], 1)
         padding_mask = responses == pad  # everything after the response
-        t1 = time.time()
 
-        # 2. Score: log-probabilities under the policy and the reference, reward-model scores. When the batch is
-        #    trained on in one step (one epoch, one micro-batch), the ratio to the sampling policy is exactly 1:
-        #    the policy's log-probabilities come from that step's forward, run here, not from an extra pass.
+        # 2. Log-probabilities under the policy and the reference. When the batch is trained on in one step (one
+        #    epoch, one micro-batch), the ratio to the sampling policy is exactly 1: the policy's log-probabilities
+        #    come from that step's forward, run here, not from an extra pass.
         whole_batch_step = args.num_ppo_epochs == 1 and args.per_device_train_batch_size == args.local_batch_size
-        logprobs, ref_logprobs, scores = [], [], []
+        logprobs, ref_logprobs = [], []
         if whole_batch_step:
             batch_logits = forward(policy, query_responses, pad).logits  # with gradients: step 4 trains on them
             logprobs.append(response_logprobs(batch_logits, responses, context_length, args.temperature).detach())
@@ -267,22 +357,14 @@ def main(args):
                                                       context_length, args.temperature))
                 ref_logprobs.append(response_logprobs(forward(ref_policy, chunk, pad).logits, chunk_responses,
                                                       context_length, args.temperature))
-                scores.append(score_responses(args, reward_model, chunk, context_length,
-                                              answers[i: i + args.per_device_train_batch_size], tokenizer))
         logprobs = torch.cat(logprobs).masked_fill(padding_mask, 0.0)
         ref_logprobs = torch.cat(ref_logprobs).masked_fill(padding_mask, 0.0)
-        raw_scores = torch.cat(scores)
-        scores = apply_missing_eos_penalty(raw_scores, responses, stop_id, args.missing_eos_penalty,
-                                           args.missing_eos_mode)
 
-        # 3. Group-normalised advantages of the scores (the KL to the reference is in the loss). With dapo, prompts
-        #    whose k scores are all equal are left out of the loss: their advantages are 0 and their tokens would
-        #    only dilute the mean.
+        # 3. Group-normalised advantages of the scores (the KL to the reference is in the loss); the tokens the loss
+        #    counts (loss_mask(): dapo leaves out groups of equal scores, --overlong-filter responses cut short).
         kl = (logprobs - ref_logprobs).sum(1)
         advantages, equal = group_advantages(scores, args.k, scale=args.loss_type != "dr_grpo")
-        mask = ~padding_mask
-        if args.loss_type == "dapo":
-            mask &= ~equal.unsqueeze(1)
+        mask = loss_mask(responses, padding_mask, equal, stop_id, args.loss_type, args.overlong_filter)
         t2 = time.time()
 
         # 4. Clipped updates over mini-batches of this generation batch (grpo_policy_loss() by --loss-type).
@@ -322,7 +404,8 @@ def main(args):
             "objective/scores": scores.mean().item(),
             "objective/raw_scores": raw_scores.mean().item(),
             "objective/kl": kl.mean().item(),
-            "objective/equal_score_groups": equal.float().mean().item(),
+            "objective/equal_score_groups": equal_groups / generated_groups,
+            "objective/generation_batches": len(parts),
             "objective/entropy": (-logprobs).sum(1).mean().item(),
             "policy/entropy_avg": step_means["entropy"],
             "loss/policy_avg": step_means["loss"],
@@ -332,8 +415,8 @@ def main(args):
             "val/ratio_var": torch.stack(stats["ratio"]).var().item() if len(stats["ratio"]) > 1 else 0.0,
             "val/num_eos_tokens": (responses == stop_id).sum().item() * args.world_size,
             "val/response_length": (~padding_mask).sum(1).float().mean().item(),
-            "time/generation": t1 - t0,
-            "time/scoring": t2 - t1,
+            "time/generation": generating,
+            "time/scoring": t2 - t0 - generating,
             "time/training": t3 - t2,
         }, device)
         metrics.update({"lr": policy.get_lr()[0], "episode": episode,
@@ -345,7 +428,8 @@ def main(args):
             metrics.update(eval_metrics)
         run_log.log(update, metrics, samples)
         if (args.save_every and update % args.save_every == 0) or update == args.num_updates:
-            save_checkpoint(args, run_dir, update, episode, {"policy": policy})
+            save_checkpoint(args, run_dir, update, episode, {"policy": policy},
+                            extra_files={SAMPLING: {"generation_batches": generation_batch}})
 
     run_log.close()
     dist.barrier()
@@ -361,11 +445,22 @@ def main(args):
 def validate(args):
     """Check the arguments before any model is loaded; fill in the derived batch sizes."""
     check_gpu_driver()
-    check_bounds(args, positive=("cliprange_low", "cliprange_high"), at_least_0=("beta",))
-    if args.k < 2:
-        fail("k", f"a group needs at least 2 responses per prompt, got {args.k}")
     if args.loss_type not in LOSS_TYPES:
         fail("loss_type", f"must be one of {', '.join(LOSS_TYPES)}, got {args.loss_type!r}")
+    if args.loss_type == "cispo" and args.cliprange_low is not None:
+        fail("cliprange_low", "cispo has no lower clip: its weight is only capped, at 1 + --cliprange-high")
+    for name, value in loss_defaults(args.loss_type, args.response_length).items():
+        if getattr(args, name) is None:  # what the loss type's paper ran; a value passed wins
+            setattr(args, name, value)
+    if args.dynamic_sampling_rounds is None:
+        args.dynamic_sampling_rounds = 10 if args.loss_type == "dapo" else 0  # verl's DAPO recipe: 10 batches
+    lower = () if args.loss_type == "cispo" else ("cliprange_low",)
+    check_bounds(args, positive=("cliprange_high",) + lower,
+                 at_least_0=("beta", "overlong_buffer", "dynamic_sampling_rounds"))
+    if args.overlong_buffer > args.response_length:
+        fail("overlong_buffer", f"must be at most --response-length ({args.response_length}), got {args.overlong_buffer}")
+    if args.k < 2:
+        fail("k", f"a group needs at least 2 responses per prompt, got {args.k}")
     args.local_batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps * args.num_mini_batches
     if args.local_batch_size % args.k:
         fail("k", f"must divide the per-device batch of {args.local_batch_size} responses "

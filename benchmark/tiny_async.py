@@ -13,6 +13,7 @@ of win rate against K and against KL, beside benchmark/tiny_offpolicy.py's N-min
     python benchmark/tiny_async.py --seeds 2 --add-to-csv      # one more seed, kept beside the CSV's others
     python benchmark/tiny_async.py --variants grpo grpo+IS dapo+IS --add-to-csv   # GRPO beside the others
     python benchmark/tiny_async.py --variants online_dpo rloo+IS --k 0 8
+    python benchmark/tiny_async.py --variants tba --k 0 2 8 --add-to-csv     # TBA beside the others
 
 Results go to benchmark/results/ (tiny_async.csv, tiny_async.png) unless --out says otherwise.
 """
@@ -37,7 +38,10 @@ VARIANTS = {
     "rloo+IS": ("rloo_vllm.py", ["--is-cap", "2"]),
     "grpo": ("grpo_vllm.py", ["--is-cap", "0"]),
     "grpo+IS": ("grpo_vllm.py", ["--is-cap", "2"]),
-    "dapo+IS": ("grpo_vllm.py", ["--is-cap", "2", "--loss-type", "dapo", "--cliprange-high", "0.28"]),
+    # As stored in tiny_async.csv (session 34): DAPO's clip and token mean with GRPO's KL weight, before each loss
+    # type ran its paper's defaults (a bare --loss-type dapo now adds beta 0 and overlong shaping).
+    "dapo+IS": ("grpo_vllm.py", ["--is-cap", "2", "--loss-type", "dapo", "--beta", "0.04", "--overlong-buffer", "0"]),
+    "tba": ("tba_vllm.py", []),  # trajectory balance needs no correction: the buffer's older responses are its input
 }
 
 

@@ -1,11 +1,15 @@
-"""The maths of grpo.py against values computed by hand: the group advantages and every --loss-type."""
+"""The maths of grpo.py against values computed by hand: the group advantages, every --loss-type, each loss type's
+defaults, DAPO's overlong shaping, overlong filtering and dynamic sampling (in runs on the math task)."""
 
 import math
+import os
 
 import pytest
 import torch
 
 import grpo
+import grpo_vllm
+from conftest import algorithm_metrics, assert_bad_input_result, read_metrics, run_dir_of, run_script
 
 # Two responses (rows) of up to three tokens; the second token of row 0 is padding, which must count for nothing
 # even with absurd log-probabilities there. Per-token log-ratios to the proximal policy, by hand:
@@ -162,3 +166,99 @@ def test_every_loss_type_equals_trls_grpo_trainer(loss_type):
               "num_items_in_batch": torch.tensor(mean_tokens)}
     trls = GRPOTrainer._compute_loss(stub, None, inputs)
     assert ours.item() == pytest.approx(trls.item(), rel=1e-5, abs=1e-7)
+
+
+# What each loss type's paper ran: (beta, cliprange_low, cliprange_high, overlong_buffer, dynamic_sampling_rounds)
+# with --response-length 16. Shao et al. 2024 (GRPO: beta 0.04, PPO's clip 0.2); Liu et al. 2025 (Dr. GRPO: no KL);
+# Yu et al. 2025 (DAPO: no KL, clip 0.2 / 0.28, a buffer of 4096 of 20480 tokens, verl's recipe 10 generation
+# batches); Zheng et al. 2025 (GSPO: no KL, 3e-4 / 4e-4); MiniMax 2025 with ScaleRL's cap of 5 (CISPO: no lower clip).
+PAPERS = {"grpo": (0.04, 0.2, 0.2, 0, 0), "dr_grpo": (0.0, 0.2, 0.2, 0, 0), "dapo": (0.0, 0.2, 0.28, 3, 10),
+          "gspo": (0.0, 3e-4, 4e-4, 0, 0), "cispo": (0.0, None, 4.0, 0, 0)}
+
+
+@pytest.mark.parametrize("loss_type", grpo.LOSS_TYPES)
+@pytest.mark.parametrize("module", [grpo, grpo_vllm], ids=["grpo.py", "grpo_vllm.py"])
+def test_a_bare_loss_type_runs_its_papers_settings_and_a_value_passed_wins(module, loss_type):
+    args = module.Args(loss_type=loss_type)
+    module.validate(args)
+    names = ("beta", "cliprange_low", "cliprange_high", "overlong_buffer", "dynamic_sampling_rounds")
+    in_force = tuple(getattr(args, name, 0) for name in names)  # grpo_vllm.py has no dynamic sampling
+    assert in_force == PAPERS[loss_type][:4] + ((PAPERS[loss_type][4],) if module is grpo else (0,))
+    passed = module.Args(loss_type=loss_type, beta=0.5, cliprange_high=0.5, overlong_buffer=2,
+                         **({} if loss_type == "cispo" else {"cliprange_low": 0.5}))
+    module.validate(passed)
+    assert (passed.beta, passed.cliprange_high, passed.overlong_buffer) == (0.5, 0.5, 2)
+    assert passed.cliprange_low == (None if loss_type == "cispo" else 0.5)
+
+
+def test_overlong_shaping_falls_linearly_over_the_buffer_and_leaves_a_cut_response_to_the_eos_penalty():
+    # --response-length 10, a buffer of 4: no penalty up to 6 tokens (the stop token, id 2, counted), then -0.25 a
+    # token to -1 at 10; a response without a stop token gets 0 here (--missing-eos-penalty's -1 is added elsewhere).
+    lengths = [3, 6, 7, 9, 10, None]
+    responses = torch.full((len(lengths), 10), 5)
+    for row, length in enumerate(lengths):
+        if length is not None:
+            responses[row, length - 1] = 2
+            responses[row, length:] = 0  # padding
+    penalty = grpo.overlong_penalty(responses, 2, 10, 4)
+    assert penalty.tolist() == [0.0, 0.0, -0.25, -0.75, -1.0, 0.0]
+    assert grpo.overlong_penalty(responses, 2, 10, 0).tolist() == [0.0] * 6  # no buffer: no shaping
+    assert torch.equal(grpo_vllm.overlong_penalty(responses, 2, 10, 4), penalty)
+
+
+def test_the_loss_leaves_out_dapos_equal_groups_and_with_overlong_filtering_responses_cut_short():
+    # Rows: a response with its stop token (2) then padding (0), one cut short, one in a group of equal scores.
+    responses = torch.tensor([[5, 2, 0], [5, 5, 5], [2, 0, 0]])
+    padding, equal = responses == 0, torch.tensor([False, False, True])
+    mask = grpo.loss_mask(responses, padding, equal, 2, "grpo", False)
+    assert mask.tolist() == [[True, True, False], [True, True, True], [True, False, False]]
+    assert grpo.loss_mask(responses, padding, equal, 2, "dapo", False).tolist()[2] == [False] * 3
+    assert grpo.loss_mask(responses, padding, equal, 2, "grpo", True).tolist()[1] == [False] * 3
+    assert grpo.loss_mask(responses, padding, equal, 2, "dapo", True).tolist() == [[True, True, False], [False] * 3,
+                                                                                   [False] * 3]
+
+
+def test_merge_groups_keeps_the_sample_major_layout_and_pads_queries_left_and_responses_right():
+    # k = 2. Round 1 kept prompts a, b (queries one token wide, responses two); round 2 prompt c (two and one wide).
+    # Rows are sample-major: [s0 a, s0 b, s1 a, s1 b]. The merged batch keeps the first 2 + 1 = 3 prompts, or 2.
+    pad = 0
+    first = (torch.tensor([[11], [12], [11], [12]]), torch.tensor([[21, 22], [23, 24], [25, 26], [27, 28]]),
+             torch.tensor([1.0, 2.0, 3.0, 4.0]), torch.tensor([1.5, 2.5, 3.5, 4.5]))
+    second = (torch.tensor([[31, 32], [31, 32]]), torch.tensor([[41], [42]]), torch.tensor([5.0, 6.0]),
+              torch.tensor([5.5, 6.5]))
+    queries, responses, raw_scores, scores = grpo.merge_groups([first, second], 2, 3, pad)
+    assert queries.tolist() == [[0, 11], [0, 12], [31, 32], [0, 11], [0, 12], [31, 32]]
+    assert responses.tolist() == [[21, 22], [23, 24], [41, 0], [25, 26], [27, 28], [42, 0]]
+    assert raw_scores.tolist() == [1.0, 2.0, 5.0, 3.0, 4.0, 6.0] and scores.tolist() == [1.5, 2.5, 5.5, 3.5, 4.5, 6.5]
+    queries, _, raw_scores, _ = grpo.merge_groups([first, second], 2, 2, pad)  # the surplus prompt c dropped
+    assert queries.tolist() == [[0, 11], [0, 12], [0, 11], [0, 12]] and raw_scores.tolist() == [1.0, 2.0, 3.0, 4.0]
+
+
+MATH = ["--rule-reward", "last_number", "--sft-model-path", "assets/tiny_math/sft", "--dataset-name",
+        "assets/tiny_math/data", "--eval-every", "0", "--num-eval-prompts", "16"]
+
+
+@pytest.mark.slow
+def test_dynamic_sampling_refills_each_batch_with_varied_groups_and_resumes_exactly(tmp_path):
+    """On the math task about half the groups score all 0 or all 1: DAPO's dynamic sampling generates further
+    batches of prompts until 16 with differing scores fill the batch (each update logs how many it took), a checkpoint
+    holds the count of batches used, so a resumed run draws the same prompts, and one round too few ends in one line."""
+    whole = tmp_path / "whole"
+    result = run_script("grpo.py", "--loss-type", "dapo", *MATH, "--total-episodes", "256", "--save-every", "2",
+                        "--output-dir", str(whole))
+    assert "--loss-type dapo with --beta 0.0, --cliprange-low 0.2, --cliprange-high 0.28, --overlong-buffer 3, " \
+           "--overlong-filter False, --dynamic-sampling-rounds 10" in result.stdout
+    rows = read_metrics(run_dir_of(whole))[1:]
+    assert [row["update"] for row in rows] == [1, 2, 3, 4]
+    assert all(row["objective/generation_batches"] >= 2 for row in rows)  # half the groups equal: never one batch
+    assert all(0.2 < row["objective/equal_score_groups"] < 0.8 for row in rows)
+
+    # Resumed from update 2 (the lines after it are dropped), updates 3 and 4 draw the same prompts again.
+    run_script("grpo.py", "--loss-type", "dapo", *MATH, "--total-episodes", "256", "--output-dir", str(whole),
+               "--resume", os.path.join(run_dir_of(whole), "checkpoint-2"))
+    assert algorithm_metrics(read_metrics(run_dir_of(whole))[1:]) == algorithm_metrics(rows)
+
+    failed = run_script("grpo.py", "--loss-type", "dapo", *MATH, "--total-episodes", "64", "--dynamic-sampling-rounds",
+                        "1", "--output-dir", str(tmp_path / "failed"), check=False)
+    assert_bad_input_result(failed.returncode, failed.stderr, 0, "--dynamic-sampling-rounds")
+    assert "prompts whose 4 scores differ" in failed.stderr
