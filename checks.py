@@ -11,12 +11,14 @@ from dataclasses import asdict
 
 import torch
 import tyro
+from tqdm import tqdm
 from transformers import AutoConfig
 
 
 def fail(argument, message):
-    """Bad input: one line on stderr naming the argument, exit code 2."""
-    print(f"error: --{argument.replace('_', '-')}: {message}", file=sys.stderr)
+    """Bad input: one line on stderr naming the argument, exit code 2 (a line of its own also where the run's
+    progress bar is on the screen: a run may stop this way, as dynamic sampling does when it runs out of rounds)."""
+    tqdm.write(f"error: --{argument.replace('_', '-')}: {message}", file=sys.stderr)
     sys.exit(2)
 
 
@@ -68,7 +70,8 @@ def check_gpu_driver():
 
 def check_run(args, rules):
     """The checks of every algorithm script after its own: --missing-eos-mode, --bf16 on this GPU, the files, every
-    number, the policy, the reward models or one of the script's `rules`, and the model's positions."""
+    number, the dataset's path, the policy, the reward models or one of the script's `rules`, and the model's
+    positions."""
     if args.missing_eos_mode not in ("add", "replace"):
         fail("missing_eos_mode", f"must be add or replace, got {args.missing_eos_mode!r}")
     if args.bf16 and torch.cuda.is_available() and not torch.cuda.is_bf16_supported(including_emulation=False):
@@ -76,6 +79,7 @@ def check_run(args, rules):
                      "train in float32 with --no-bf16")
     check_files(args)
     check_numbers(args)
+    check_dataset_path(args)
     check_model(args, "sft_model_path")
     check_rewards(args, rules)
     config = AutoConfig.from_pretrained(args.sft_model_path, trust_remote_code=args.trust_remote_code)
@@ -91,6 +95,17 @@ def check_model_path(argument, path):
         fail(argument, f"{path} is a file, not a directory")
     if not os.path.isdir(path) and not looks_like_hub_id:
         fail(argument, f"no such directory: {path}")
+
+
+def check_dataset_path(args):
+    """--dataset-name: a directory that holds files, or a hub id (checked when it loads)."""
+    path = args.dataset_name
+    if os.path.isfile(path):
+        fail("dataset_name", f"{path} is a file, not a directory of data files")
+    if not os.path.isdir(path) and path.count("/") != 1:
+        fail("dataset_name", f"no such directory: {path}")
+    if os.path.isdir(path) and not os.listdir(path):
+        fail("dataset_name", f"{path} is an empty directory")
 
 
 def check_model(args, argument, reward=False):
@@ -153,7 +168,9 @@ def check_numbers(args):
 
 
 def check_files(args):
-    """--deepspeed-config is a JSON file with a ZeRO stage; --output-dir is not a file."""
+    """--deepspeed-config is a JSON file with a ZeRO stage, offload devices DeepSpeed knows, no fp16 and a number for
+    gradient_clipping (what the scripts read of it; distributed.check_deepspeed_config lets DeepSpeed check the rest
+    once the process group is up); --output-dir is not a file."""
     if not os.path.isfile(args.deepspeed_config):
         fail("deepspeed_config", f"no such file: {args.deepspeed_config}")
     try:
@@ -168,10 +185,18 @@ def check_files(args):
     if zero["stage"] not in (0, 1, 2, 3) or isinstance(zero["stage"], bool):
         fail("deepspeed_config", f"{args.deepspeed_config}: zero_optimization.stage must be 0, 1, 2 or 3, got "
                                  f"{zero['stage']!r}")
-    offload = zero.get("offload_optimizer", {})
-    if not isinstance(offload, dict) or offload.get("device", "none") not in ("none", "cpu", "nvme"):
-        fail("deepspeed_config", f"{args.deepspeed_config}: zero_optimization.offload_optimizer must be an object "
-                                 f"whose device is none, cpu or nvme, got {offload!r}")
+    for part in ("offload_optimizer", "offload_param"):
+        offload = zero.get(part, {})
+        if not isinstance(offload, dict) or offload.get("device", "none") not in ("none", "cpu", "nvme"):
+            fail("deepspeed_config", f"{args.deepspeed_config}: zero_optimization.{part} must be an object whose "
+                                     f"device is none, cpu or nvme, got {offload!r}")
+    if isinstance(config.get("fp16"), dict) and config["fp16"].get("enabled"):
+        fail("deepspeed_config", f"{args.deepspeed_config}: fp16 is not supported (no loss scaling here): train in "
+                                 "bfloat16 (--bf16) or float32")
+    clipping = config.get("gradient_clipping", 0.0)
+    if isinstance(clipping, bool) or not isinstance(clipping, (int, float)) or not 0 <= clipping < math.inf:
+        fail("deepspeed_config", f"{args.deepspeed_config}: gradient_clipping must be a number, 0 or more, got "
+                                 f"{clipping!r}")
     if os.path.isfile(args.output_dir):
         fail("output_dir", f"{args.output_dir} is a file, not a directory")
 

@@ -13,10 +13,9 @@ from checks import fail
 
 
 def read_dataset(args):
-    """--dataset-name through datasets' load_dataset (a directory of JSON lines or parquet files, or a hub id). Every
-    way it can fail is bad input: one line naming the argument, exit code 2."""
-    if not os.path.exists(args.dataset_name) and args.dataset_name.count("/") != 1:
-        fail("dataset_name", f"no such directory: {args.dataset_name}")
+    """--dataset-name (checks.check_dataset_path has found it) through datasets' load_dataset (a directory of JSON
+    lines or parquet files, or a hub id). Every way it can fail is bad input: one line naming the argument, exit
+    code 2."""
     try:
         return load_dataset(args.dataset_name)
     except StopIteration:  # what datasets' JSON loader raises on an empty file
@@ -48,7 +47,7 @@ def load_prompts(args, tokenizer):
             fail(argument, f"split {split!r} of {args.dataset_name} is empty")
         where = f"split {split!r} of {args.dataset_name}"
         if "query" in columns:
-            texts = check_queries(list(dataset[split]["query"]), where)
+            texts = check_texts(list(dataset[split]["query"]), where)
         elif tokenizer.chat_template is None:
             fail("dataset_name", f"split {split!r} holds `messages` but the tokenizer of {args.sft_model_path} "
                                  "has no chat template")
@@ -64,11 +63,12 @@ def load_prompts(args, tokenizer):
             answers["dataset_eval_split"])
 
 
-def check_queries(texts, where):
-    """A split's `query` column (`where` names it), each row a non-empty text, else bad input naming the row."""
+def check_texts(texts, where, column="query", argument="dataset_name"):
+    """A split's column of texts (`where` names the split), each row a non-empty text, else bad input naming the
+    argument that chose the column and the row."""
     for row, text in enumerate(texts):
         if not isinstance(text, str) or not text:
-            fail("dataset_name", f"{where}, row {row}: `query` must be a non-empty text, got {text!r}")
+            fail(argument, f"{where}, row {row}: `{column}` must be a non-empty text, got {text!r}")
     return texts
 
 

@@ -12,9 +12,13 @@ if not torch.cuda.is_available():
     os.environ.setdefault("DS_ACCELERATOR", "cpu")  # must be set before deepspeed is imported
 
 import deepspeed
+import pydantic
 import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
+from deepspeed.runtime.config import DeepSpeedConfig
 from deepspeed.runtime.zero.stage3 import unwrap_model_for_generation
+
+from checks import fail
 
 
 def set_up_distributed(args):
@@ -26,7 +30,21 @@ def set_up_distributed(args):
     if torch.cuda.is_available():
         torch.cuda.set_device(device)
     torch.manual_seed(args.seed + rank)  # each rank samples different responses
+    check_deepspeed_config(args)
     return rank, device
+
+
+def check_deepspeed_config(args):
+    """--deepspeed-config as DeepSpeed reads it (its own check of every field, with this run's batch sizes and
+    processes), before any model loads: one line naming the field rather than a traceback after the loading."""
+    try:
+        DeepSpeedConfig(ds_config(args, train=True))
+    except pydantic.ValidationError as error:
+        first = error.errors()[0]
+        where = ".".join(map(str, first["loc"])) + (" of zero_optimization" if "Zero" in error.title else "")
+        fail("deepspeed_config", f"{args.deepspeed_config}: {where}: {first['msg']}, got {first['input']!r}")
+    except (AssertionError, ValueError, TypeError, KeyError) as error:
+        fail("deepspeed_config", f"{args.deepspeed_config}: {str(error).splitlines()[0]}")
 
 
 def init_distributed():
@@ -51,8 +69,10 @@ def free_port():
 def ds_config(args, train):
     with open(args.deepspeed_config) as f:
         config = json.load(f)
+    accumulation = args.gradient_accumulation_steps if train else 1
     config.update(train_micro_batch_size_per_gpu=args.per_device_train_batch_size,
-                  gradient_accumulation_steps=args.gradient_accumulation_steps if train else 1,
+                  gradient_accumulation_steps=accumulation,
+                  train_batch_size=args.per_device_train_batch_size * accumulation * args.world_size,
                   bf16={"enabled": args.bf16})
     if not train:  # frozen models: partitioned under ZeRO-3 (offloaded if its parameters are), else replicated
         zero = config["zero_optimization"]

@@ -40,9 +40,9 @@ from typing import Optional
 import torch
 from transformers import AutoTokenizer
 
-from checks import (check_gpu_driver, check_model, check_model_path, check_numbers, check_vllm_gpu, fail,
-                    parse_arguments)
-from data import (check_answers, check_chats, check_queries, left_pad, load_model, load_tokenizer, read_dataset,
+from checks import (check_dataset_path, check_gpu_driver, check_model, check_model_path, check_numbers, check_vllm_gpu,
+                    fail, parse_arguments)
+from data import (check_answers, check_chats, check_texts, left_pad, load_model, load_tokenizer, read_dataset,
                   right_pad, stop_token_id)
 # Sampling and scoring exactly as in training: the RLHF details, the same in every script (tests/test_layout.py).
 from rloo_vllm import (RULE_REWARDS, forward, generate, response_logprobs, reward_scores, truncate_response,
@@ -146,7 +146,7 @@ def load_eval_data(args, tokenizer, stop_id):
         fail("dataset_name", f"split {args.dataset_eval_split!r} has no `query` or `messages` column (it has {columns})")
     where = f"split {args.dataset_eval_split!r} of {args.dataset_name}"
     chats = None if "query" in columns else check_chats(list(split["messages"]), where)
-    queries = None if chats is not None else check_queries(list(split["query"]), where)
+    queries = None if chats is not None else check_texts(list(split["query"]), where)
     if args.rule_reward and args.answer_column not in columns:
         fail("answer_column", f"split {args.dataset_eval_split!r} has no {args.answer_column!r} column (it has {columns})")
     if not args.rule_reward and args.reference_column not in columns and (
@@ -165,8 +165,8 @@ def load_eval_data(args, tokenizer, stop_id):
     prompts = [q[-args.max_prompt_length:] for q in tokenizer(texts, add_special_tokens=False)["input_ids"]]
     if args.rule_reward:
         return prompts, check_answers(args, list(split[args.answer_column]), where)
-    reference_texts = (list(split[args.reference_column]) if args.reference_column in columns else
-                       [chat[-1]["content"] for chat in chats])
+    reference_texts = (check_texts(list(split[args.reference_column]), where, args.reference_column, "reference_column")
+                       if args.reference_column in columns else [chat[-1]["content"] for chat in chats])
     references = [r[: args.response_length - 1] + [stop_id] if stop_id not in r[: args.response_length] else
                   r[: r.index(stop_id) + 1] for r in
                   tokenizer(reference_texts, add_special_tokens=False)["input_ids"]]
@@ -342,6 +342,7 @@ def validate(args):
     check_model_path("checkpoints", args.checkpoints)
     for checkpoint in find_checkpoints(args.checkpoints):  # each loads as a policy (only a hub id is checked later)
         check_model(SimpleNamespace(checkpoints=checkpoint, trust_remote_code=args.trust_remote_code), "checkpoints")
+    check_dataset_path(args)
     check_model(args, "sft_model_path")
     if args.rule_reward is not None:
         if args.rule_reward not in RULE_REWARDS:

@@ -53,12 +53,11 @@ def run_script(script, *args, **kwargs):
     return run([sys.executable, script, *args], **kwargs)
 
 
-def forked_runs(script, cases, output, env=None, validate_only=False):
-    """Each of `cases` (argument lists) run as `python script *arguments` would (or only through its validate()),
-    forked from one process that imported the libraries once (tests/forked_runs.py): a list of (exit code, stdout,
-    stderr, seconds)."""
-    run([sys.executable, "tests/forked_runs.py", script, json.dumps(cases), str(output),
-         *(["validate"] if validate_only else [])], env=env)
+def forked_runs(script, cases, output, env=None, mode="main"):
+    """Each of `cases` (argument lists) run as `python script *arguments` would (or, by `mode`, only through its
+    validate(), or its `checks` up to the first model's loading: exit code 3 where they pass), forked from one process
+    that imported the libraries once (tests/forked_runs.py): a list of (exit code, stdout, stderr, seconds)."""
+    run([sys.executable, "tests/forked_runs.py", script, json.dumps(cases), str(output), mode], env=env)
     with open(output) as f:
         return [(r["returncode"], r["stdout"], r["stderr"], r["seconds"]) for r in json.load(f)]
 
@@ -126,9 +125,11 @@ def bad_path(tmp_path, kind):
         else:
             for name in ("tokenizer.json", "tokenizer_config.json"):
                 (path / name).unlink()
-    elif kind in ("NOT_JSON", "STAGE_4"):  # cut off; a ZeRO stage that does not exist
-        path = path / "zero2.json"
-        path.write_text('{"zero_optimization": {"stage": 2},' if kind == "NOT_JSON" else '{"zero_optimization": {"stage": 4}}')
+    elif kind in ("NOT_JSON", "STAGE_4", "OVERLAP_MAYBE"):  # cut off; a ZeRO stage that does not exist; a setting
+        path = path / "zero2.json"  # DeepSpeed's own check rejects
+        path.write_text({"NOT_JSON": '{"zero_optimization": {"stage": 2},',
+                         "STAGE_4": '{"zero_optimization": {"stage": 4}}',
+                         "OVERLAP_MAYBE": '{"zero_optimization": {"stage": 2, "overlap_comm": "maybe"}}'}[kind])
     elif kind == "A_FILE":
         path = os.path.join(TINY, "sft", "config.json")
     elif kind == "PPO_CHECKPOINT":  # a checkpoint written by another script

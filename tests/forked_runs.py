@@ -3,9 +3,11 @@
 executes the script as __main__ with its own sys.argv, stdout and stderr. For the runs that end before any model
 loads (--help, bad input), where importing takes nearly all of a run's 5-8 s.
 
-python tests/forked_runs.py SCRIPT '[[ARGUMENTS...], ...]' OUTPUT [validate] writes, as JSON into OUTPUT, each
-run's {"returncode", "stdout", "stderr", "seconds"}. With `validate`, a run parses its arguments and calls the script's
-validate() (its argument checks, before any file is read) instead of main(): 0 where they pass."""
+python tests/forked_runs.py SCRIPT '[[ARGUMENTS...], ...]' OUTPUT [validate | checks] writes, as JSON into OUTPUT,
+each run's {"returncode", "stdout", "stderr", "seconds"}. With `validate`, a run parses its arguments and calls the
+script's validate() (its argument checks) instead of main(): 0 where they pass. With `checks`, a run is main() up to
+the loading of its first model (the process group, the DeepSpeed config as DeepSpeed reads it, the dataset's rows):
+MODELS_LOAD (3) where every check before it passes."""
 
 import importlib
 import json
@@ -18,12 +20,21 @@ import time
 import traceback
 
 
-def run_as_main(script, arguments, validate_only):
-    """In a child process: run `script` as `python script arguments...` would (or only its validate()); returns its
+MODELS_LOAD = 3
+
+
+def models_load(*args, **kwargs):
+    sys.exit(MODELS_LOAD)
+
+
+def run_as_main(script, arguments, mode):
+    """In a child process: run `script` as `python script arguments...` would (or only its checks: `mode`); returns its
     exit code."""
     sys.argv = [script, *arguments]
+    if mode == "checks":
+        sys.modules["data"].load_model = models_load  # the script imports it from data as it runs
     try:
-        if validate_only:
+        if mode == "validate":
             module = sys.modules[script[:-3]]
             args = module.parse_arguments(module.Args)
             args.world_size = 1
@@ -43,7 +54,7 @@ def run_as_main(script, arguments, validate_only):
 
 def main():
     script, cases, output = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3]
-    validate_only = sys.argv[4:] == ["validate"]
+    mode = sys.argv[4] if len(sys.argv) > 4 else "main"
     sys.argv = [script]  # as the script's own process has it when its modules are imported
     sys.path.insert(0, os.getcwd())
     importlib.import_module(script[:-3])
@@ -56,7 +67,7 @@ def main():
                 os.setsid()  # its own process group: vLLM's engine processes are stopped with it
                 os.dup2(out.fileno(), 1)
                 os.dup2(err.fileno(), 2)
-                code = run_as_main(script, arguments, validate_only)
+                code = run_as_main(script, arguments, mode)
                 sys.stdout.flush()
                 sys.stderr.flush()
                 os._exit(code)
