@@ -60,10 +60,11 @@ def latest_checkpoint(path):
     return os.path.join(path, f"checkpoint-{max(updates)}")
 
 
-def save_checkpoint(args, run_dir, update, episode, engines, extra_files=None):
+def save_checkpoint(args, run_dir, update, episode, engines, extra_files=None, rank_state=None):
     """Write <run_dir>/checkpoint-<update>: every trained model as save_pretrained (the policy at the top with the SFT
     model's own tokenizer, others such as PPO's value model in a subdirectory of their name), the training state in
-    training_state/ (each engine's DeepSpeed state, every rank's RNG state) and rank 0's `extra_files` ({name: JSON}).
+    training_state/ (each engine's DeepSpeed state, every rank's RNG state and `rank_state`, plain Python values that
+    load_rank_state() returns) and rank 0's `extra_files` ({name: JSON}).
     Written to a temporary directory renamed at the end: an interruption leaves no half-written checkpoint, and a
     failed write (a full disk) removes it and ends the run with one line."""
     final = os.path.join(run_dir, f"checkpoint-{update}")
@@ -81,6 +82,8 @@ def save_checkpoint(args, run_dir, update, episode, engines, extra_files=None):
         torch.save({"torch": torch.get_rng_state(), "accelerator": get_accelerator().get_rng_state(),
                     "device": get_accelerator().device_name()},
                    os.path.join(tmp, "training_state", f"rng_rank{dist.get_rank()}.pt"))
+        if rank_state is not None:
+            torch.save(rank_state, os.path.join(tmp, "training_state", f"state_rank{dist.get_rank()}.pt"))
         if dist.get_rank() == 0:
             AutoTokenizer.from_pretrained(args.sft_model_path, trust_remote_code=args.trust_remote_code).save_pretrained(tmp)
             with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
@@ -117,6 +120,14 @@ def load_checkpoint(checkpoint, engines):
     with open(os.path.join(checkpoint, "trainer_state.json")) as f:
         state = json.load(f)
     return state["update"], state["episode"]
+
+
+def load_rank_state(checkpoint):
+    """This rank's `rank_state` of save_checkpoint in rank 0's `checkpoint` (as load_checkpoint), loaded with
+    weights_only: plain values, no code."""
+    chosen = [checkpoint]
+    dist.broadcast_object_list(chosen, src=0)
+    return torch.load(os.path.join(chosen[0], "training_state", f"state_rank{dist.get_rank()}.pt"), weights_only=True)
 
 
 class SafeCheckpointEngine(TorchCheckpointEngine):

@@ -34,7 +34,7 @@ import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SCRIPTS = ["online_dpo_vllm", "rloo_vllm", "ppo_vllm", "bok_vllm", "grpo_vllm"]
+SCRIPTS = ["online_dpo_vllm", "rloo_vllm", "ppo_vllm", "bok_vllm", "grpo_vllm", "tba_vllm"]
 COLUMNS = ["loop seconds", "process seconds", "episodes/s", "learner idle", "off-policy steps", "start proxy",
            "proxy score", "start gold", "gold score"]
 MATH_COLUMNS = COLUMNS[:5] + ["start accuracy", "accuracy"]

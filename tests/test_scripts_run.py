@@ -18,14 +18,14 @@ import typing
 
 import pytest
 import torch
-from conftest import (ROOT, TINY, algorithm_metrics, assert_bad_input, assert_bad_input_result, assert_finite, bad_path, forked_runs,
-                      read_metrics, run, run_dir_of, run_script)
+from conftest import (ROOT, TINY, algorithm_metrics, assert_bad_input, assert_bad_input_result, assert_finite, bad_path,
+                      forked_runs, read_metrics, run, run_dir_of, run_script)
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
 pytestmark = pytest.mark.slow  # runs scripts or vLLM engines: minutes
 
 SCRIPTS = ["rloo.py", "online_dpo.py", "bok.py", "ppo.py", "grpo.py", "online_dpo_vllm.py", "rloo_vllm.py",
-           "ppo_vllm.py", "bok_vllm.py", "grpo_vllm.py"]
+           "ppo_vllm.py", "bok_vllm.py", "grpo_vllm.py", "tba.py", "tba_vllm.py"]
 COMMON_METRICS = [
     "objective/scores", "objective/raw_scores", "policy/entropy_avg",
     "loss/policy_avg", "val/num_eos_tokens", "val/response_length", "lr", "episode", "time/episodes_per_second",
@@ -49,6 +49,8 @@ ALGORITHM_METRICS = {
                "policy/clipfrac_avg", "val/clipfrac_avg", "val/ratio", "val/ratio_var", "val/explained_variance"],
     "grpo.py": ["objective/kl", "objective/entropy", "objective/equal_score_groups", "policy/approxkl_avg",
                 "policy/clipfrac_avg", "val/ratio", "val/ratio_var"],
+    "tba.py": ["objective/kl", "objective/log_z", "objective/beta", "buffer/from_buffer", "buffer/staleness_mean",
+               "buffer/staleness_max", "buffer/responses", "buffer/prompts"],
 }
 ALGORITHM_METRICS.update({
     "online_dpo_vllm.py": ALGORITHM_METRICS["online_dpo.py"] + ASYNC_METRICS,
@@ -56,6 +58,7 @@ ALGORITHM_METRICS.update({
     "ppo_vllm.py": ALGORITHM_METRICS["ppo.py"] + ASYNC_METRICS + CORRECTION_METRICS,
     "bok_vllm.py": ALGORITHM_METRICS["bok.py"] + ASYNC_METRICS,
     "grpo_vllm.py": ALGORITHM_METRICS["grpo.py"] + ASYNC_METRICS + CORRECTION_METRICS,
+    "tba_vllm.py": ALGORITHM_METRICS["tba.py"] + ASYNC_METRICS,
 })
 DEEPSPEED = os.path.join(os.path.dirname(sys.executable), "deepspeed")
 
@@ -81,6 +84,8 @@ def test_help_lists_every_argument_with_its_docstring(warm_runs, script):
             assert f"--{field.replace('_', '-')}" in text, field
         assert "(the off-policy knob)" in text
         assert ("responses sampled per prompt" in text) == (not script.startswith("ppo"))  # PPO samples one
+        if script.startswith("grpo"):  # the defaults each loss type's paper ran
+            assert "(default by --loss-type: 0.2, dapo 0.28, gspo 4e-4, cispo 4: its weight's cap of 5)" in text
 
 
 # Every script's default run, on the tiny task, with a learning rate of 1e-4 (the default 2e-5 takes about
@@ -100,6 +105,7 @@ def test_help_lists_every_argument_with_its_docstring(warm_runs, script):
 #                              gspo as grpo: one update per batch, on-policy, is where they meet; not run in CI,
 #                              test_grpo_math.py checks each loss by hand)
 #   grpo_vllm.py               -0.42 -> 3.20, 0.20 -> 0.87
+#   tba.py                     -0.42 -> 3.01, 0.20 -> 0.83 (--beta 0.03: 3.08, 0.85, KL 2.5 against 4.4)
 LEARNING = [  # (in pairs that run side by side: see learning_runs)
     (["rloo.py"], 2.0, 0.4),
     (["rloo_vllm.py", "--weight-sync", "memory"], 2.0, 0.4),
@@ -111,6 +117,8 @@ LEARNING = [  # (in pairs that run side by side: see learning_runs)
     (["ppo_vllm.py"], 2.0, 0.4),
     (["grpo.py"], 2.0, 0.4),
     (["grpo_vllm.py"], 2.0, 0.4),
+    (["tba.py"], 2.0, 0.4),
+    (["tba_vllm.py"], 2.0, 0.4),
 ]
 # (The asynchronous rloo_vllm.py hands its weights over in memory, the others through files, the CPU's default. The
 # first batch of every asynchronous run is on-policy: its correction weights must be 1. --sync runs the same
@@ -156,6 +164,9 @@ def test_default_run_logs_saves_and_learns(learning_runs, case):
     assert abs(first[kl + "kl"]) < 1e-6  # before the first update the policy is the reference
     if script.startswith(("rloo", "ppo", "grpo")):
         assert abs(first["val/ratio"] - 1) < 1e-5  # one update per batch: the ratio is exactly one
+    if script.startswith("tba"):  # the first batch is all new: half its groups drawn as new, the rest from it too
+        assert first["buffer/staleness_max"] == 0 and first["buffer/prompts"] == 16
+        assert rows[-1]["buffer/staleness_max"] > 1 and rows[-1]["buffer/prompts"] > 16
     if script.startswith(("rloo", "ppo", "online_dpo")):  # (GRPO's KL is in its loss, best-of-k's nowhere)
         scores = "pairs/scores" if script.startswith("online_dpo") else "objective/scores"
         assert first[kl + "rlhf_reward"] == pytest.approx(first[scores] + first[kl + "non_score_reward"])
@@ -203,10 +214,11 @@ def test_default_run_logs_saves_and_learns(learning_runs, case):
 
 # The *_vllm.py scripts resume exactly, asynchronously too: a checkpoint keeps the K batches already generated
 # for the updates after it (by policies older than its own), and the resumed run trains on them. Their generator,
-# hand-off, checkpoints and saved batches are one code that all five import (generator.py, checkpoints.py):
+# hand-off, checkpoints and saved batches are one code that all six import (generator.py, checkpoints.py):
 # ppo_vllm.py runs here, two updates late (the most state: a second trained model, the value model, in the
-# checkpoint; one sample and its values per prompt in each saved batch), and rloo.py for the synchronous scripts.
-RESUME = [["rloo.py"], ["ppo_vllm.py", "--off-policy-steps", "2", "--vllm-enforce-eager"]]
+# checkpoint; one sample and its values per prompt in each saved batch), and tba.py for the synchronous scripts
+# (the most state of theirs: each rank's replay buffer, whose draws must repeat; tba_vllm.py keeps it alike).
+RESUME = [["tba.py"], ["ppo_vllm.py", "--off-policy-steps", "2", "--vllm-enforce-eager"]]
 
 
 @pytest.mark.parametrize("command", RESUME, ids=[" ".join(c) for c in RESUME])
@@ -531,6 +543,14 @@ BAD_INPUT = [  # (script, arguments, the argument the error must name)
     ("bok.py", ["--rule-reward", "last_number", "--dataset-name", "NULL_ANSWER", "--sft-model-path",
                 "assets/tiny_math/sft"], "--answer-column"),
     ("grpo.py", ["--deepspeed-config", "STAGE_4"], "--deepspeed-config"),
+    # Every other script meets a bad row or a setting DeepSpeed rejects before its models load, as the walk's
+    # scripts do (test_every_dataset_field_and_deepspeed_setting_...).
+    ("ppo.py", ["--dataset-name", "NUMBER_QUERY"], "--dataset-name"),
+    ("online_dpo_vllm.py", ["--dataset-name", "STRING_MESSAGES"], "--dataset-name"),
+    ("rloo_vllm.py", ["--dataset-name", "NUMBER_QUERY"], "--dataset-name"),
+    ("ppo_vllm.py", ["--deepspeed-config", "OVERLAP_MAYBE"], "--deepspeed-config"),
+    ("bok_vllm.py", ["--deepspeed-config", "OVERLAP_MAYBE"], "--deepspeed-config"),
+    ("online_dpo.py", ["--deepspeed-config", "OVERLAP_MAYBE"], "--deepspeed-config"),
     ("bok_vllm.py", ["--vllm-gpu", "0"], "--vllm-gpu"),
     ("rloo.py", ["--k", "4", "--resume", "RLOO_RUN_K4", "--stop-token", "no such token"], "--stop-token"),  # found
     # once the tokenizer has loaded, and still before anything is written into the run it resumes
@@ -579,12 +599,46 @@ WALK_SCRIPTS = SCRIPTS + ["evaluate.py"]
 COMPUTED = {"local_rank", "world_size", "local_batch_size", "batch_size", "num_updates"}  # set by the script
 NEGATIVE_OK = {"missing_eos_penalty"}
 ZERO_OK = {"seed", "missing_eos_penalty", "kl_coef", "beta", "gamma", "lam", "is_cap", "eval_every", "save_every",
-           "check_weights_every"}  # (0: none, or never)
+           "check_weights_every", "overlong_buffer", "dynamic_sampling_rounds"}  # (0: none, or never)
 CHOICES = ("missing_eos_mode", "loss_type", "is_level", "is_mode", "weight_sync", "rule_reward", "backend")
 
 
+# Paths: each missing, of the wrong kind (a file where a directory goes, and the reverse) or empty.
+DIRECTORIES = ("sft_model_path", "reward_model_path", "gold_reward_model_path", "dataset_name", "resume", "checkpoints")
+# The fields of the DeepSpeed config the scripts read (the stage, the offload devices, no fp16, gradient clipping), out
+# of their domain; checks.check_files finds them in validate().
+DEEPSPEED_CONFIGS = ['[1]', '{}', '{"zero_optimization": [2]}', '{"zero_optimization": {}}',
+                     '{"zero_optimization": {"stage": "two"}}', '{"zero_optimization": {"stage": true}}',
+                     '{"zero_optimization": {"stage": -1}}', '{"zero_optimization": {"stage": 2, "offload_optimizer": "cpu"}}',
+                     '{"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "gpu"}}}',
+                     '{"zero_optimization": {"stage": 3, "offload_param": {"device": "gpu"}}}',
+                     '{"zero_optimization": {"stage": 2}, "fp16": {"enabled": true}}',
+                     '{"zero_optimization": {"stage": 2}, "gradient_clipping": "auto"}',
+                     '{"zero_optimization": {"stage": 2}, "gradient_clipping": -1}']
+
+
+def path_cases(script, tmp_path):
+    """(argument, value) pairs of paths that `script` must reject."""
+    fields = {field.name for field in dataclasses.fields(__import__(script[:-3]).Args)}
+    (tmp_path / "empty").mkdir(exist_ok=True)
+    (tmp_path / "empty.json").write_text("")
+    cases = [(name, value) for name in DIRECTORIES if name in fields
+             for value in ("missing/directory/x", "README.md", str(tmp_path / "empty"))]
+    if "deepspeed_config" in fields:
+        cases += [("deepspeed_config", value) for value in ("missing/x.json", str(tmp_path / "empty"),
+                                                            str(tmp_path / "empty.json"))]
+        for n, text in enumerate(DEEPSPEED_CONFIGS):
+            (tmp_path / f"config{n}.json").write_text(text)
+            cases.append(("deepspeed_config", str(tmp_path / f"config{n}.json")))
+    if "output_dir" in fields:
+        cases.append(("output_dir", "README.md"))
+    if "output" in fields:  # evaluate.py's results file
+        cases += [("output", str(tmp_path / "empty")), ("output", "missing/directory/results.json")]
+    return [("--" + name.replace("_", "-"), value) for name, value in cases]
+
+
 def walk_cases(script):
-    """(argument, value) pairs that `script` must reject."""
+    """(argument, value) pairs of numbers and choices that `script` must reject."""
     cases = []
     for field in dataclasses.fields(__import__(script[:-3]).Args):
         kind = typing.get_args(field.type)[0] if typing.get_origin(field.type) is typing.Union else field.type
@@ -602,17 +656,74 @@ def walk_cases(script):
 
 
 @pytest.mark.parametrize("script", WALK_SCRIPTS)
-def test_every_number_and_choice_out_of_its_domain_ends_in_one_line_naming_it(tmp_path, script):
-    cases = walk_cases(script)
+def test_every_number_choice_and_path_out_of_its_domain_ends_in_one_line_naming_it(tmp_path, script):
+    cases = walk_cases(script) + path_cases(script, tmp_path)
     base = ["--checkpoints", "assets/tiny/sft"] if script == "evaluate.py" else []
     results = forked_runs(script, [[*base, flag, value] for flag, value in cases], tmp_path / "walk.json",
-                          validate_only=True)
+                          mode="validate")
     wrong = []
     for (flag, value), (returncode, _, stderr, _) in zip(cases, results):
         errors = [line for line in stderr.splitlines() if line.startswith("error:")]
         if not (returncode == 2 and len(errors) == 1 and errors[0].startswith(f"error: {flag}:")):
             wrong.append((flag, value, returncode, errors[:1] or stderr[-300:]))
     assert len(cases) >= 40 and not wrong, wrong
+
+
+# The dataset's rows, each field a script reads missing, of the wrong type or empty (in the second row, after a good
+# one), and what DeepSpeed itself checks of its config, found before any model loads: main() up to the first model
+# (forked_runs' `checks` mode), in RLOO (all the synchronous scripts' data and DeepSpeed set-up) and the asynchronous
+# GRPO (the *_vllm.py scripts'), and in evaluate.py the rows it reads; the other scripts in BAD_INPUT.
+ROWS = {  # field: (a good row, the bad second rows, the extra arguments, the argument named)
+    "query": ({"query": "hello"}, [{"other": "hello"}, {"query": 12}, {"query": ""}, {"query": ["hello"]}], [],
+              "--dataset-name"),
+    "messages": ({"messages": [{"role": "user", "content": "2 + 3?"}]},
+                 [{"other": 1}, {"messages": "hello"}, {"messages": []}, {"messages": [{"role": "user"}]},
+                  {"messages": [{"role": "user", "content": 5}]}],
+                 ["--sft-model-path", "SMOLLM2"], "--dataset-name"),  # a tokenizer with a chat template
+    "answer": ({"query": "2 + 3?", "answer": "5"}, [{"query": "2 + 4?"}, {"query": "2 + 4?", "answer": ""},
+                                                     {"query": "2 + 4?", "answer": ["6"]}],
+               ["--rule-reward", "last_number"], "--answer-column"),
+    "reference": ({"query": "hello", "reference": "hi"}, [{"query": "hello"}, {"query": "hello", "reference": 12},
+                                                           {"query": "hello", "reference": ""}], [],
+                  "--reference-column"),
+}
+DEEPSPEED_CHECKS = ['{"zero_optimization": {"stage": 2, "overlap_comm": "maybe"}}',
+                    '{"zero_optimization": {"stage": 2, "no_such_field": 1}}',
+                    '{"zero_optimization": {"stage": 2, "reduce_bucket_size": -5}}']
+
+
+def row_cases(script, tmp_path, chat_model):
+    """(arguments, the argument named) of datasets with a bad row and of DeepSpeed configs that `script` must reject."""
+    cases = []
+    for field, (good, bad_rows, extra, argument) in ROWS.items():
+        if field == "reference" and script != "evaluate.py":
+            continue  # only evaluate.py reads references
+        extra = [chat_model if value == "SMOLLM2" else value for value in extra]
+        for n, bad in enumerate(bad_rows):
+            path = tmp_path / f"{field}{n}"
+            path.mkdir()
+            for split in ("train", "test"):
+                (path / f"{split}.jsonl").write_text(json.dumps(good) + "\n" + json.dumps(bad) + "\n")
+            cases.append(([*extra, "--dataset-name", str(path)], argument))
+    if script != "evaluate.py":
+        for n, text in enumerate(DEEPSPEED_CHECKS):
+            (tmp_path / f"deepspeed{n}.json").write_text(text)
+            cases.append((["--deepspeed-config", str(tmp_path / f"deepspeed{n}.json")], "--deepspeed-config"))
+    return cases
+
+
+@pytest.mark.parametrize("script", ["rloo.py", "grpo_vllm.py", "evaluate.py"])
+def test_every_dataset_field_and_deepspeed_setting_out_of_its_domain_ends_in_one_line_before_models_load(
+        tmp_path, smollm2, script):
+    cases = row_cases(script, tmp_path, os.path.join(smollm2, "model"))
+    base = ["--checkpoints", "assets/tiny/sft"] if script == "evaluate.py" else ["--output-dir", str(tmp_path / "runs")]
+    results = forked_runs(script, [[*base, *arguments] for arguments, _ in cases], tmp_path / "rows.json", mode="checks")
+    wrong = []
+    for (arguments, argument), (returncode, _, stderr, _) in zip(cases, results):
+        errors = [line for line in stderr.splitlines() if line.startswith("error:")]
+        if not (returncode == 2 and len(errors) == 1 and errors[0].startswith(f"error: {argument}:")):
+            wrong.append((arguments[-1], returncode, errors[:1] or stderr[-300:]))
+    assert len(cases) >= 10 and not wrong, wrong
 
 
 def test_bad_input_in_a_process_of_its_own_as_a_user_runs_it():

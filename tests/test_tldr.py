@@ -21,10 +21,11 @@ import ppo
 import ppo_vllm
 import rloo
 import rloo_vllm
+import tba_vllm
 
 MODULES = {"rloo.py": rloo, "online_dpo.py": online_dpo, "bok.py": bok, "ppo.py": ppo,
            "online_dpo_vllm.py": online_dpo_vllm, "rloo_vllm.py": rloo_vllm, "ppo_vllm.py": ppo_vllm,
-           "evaluate.py": evaluate}
+           "tba_vllm.py": tba_vllm, "evaluate.py": evaluate}
 PAPER = {
     "learning_rate": 3e-6, "temperature": 0.7, "response_length": 53, "max_prompt_length": 512,
     "missing_eos_mode": "replace", "missing_eos_penalty": -1.0, "num_ppo_epochs": 1, "num_mini_batches": 1,
@@ -180,8 +181,37 @@ def test_no_robots_chat_template_is_the_tulu_format():
                         "<|assistant|>\n")
 
 
-def test_gsm8k_and_no_robots_refuse_what_they_cannot_run():
+# TBA's own settings (github.com/bbartoldson/TBA: configs/tba_pythia2.8b_tldr.yml, tba_rho1b_gsm8k.yml,
+# launch_training_*.sh and the TBAConfig* defaults): k, responses a step, steps, learning rate, response length,
+# beta from -> to (reached at step 1 + anneal), newest-batch probability, inv_temp, the weights' staleness.
+TBA = {"tldr": (20, 160, 256, 3e-6, 128, (1.0, 0.05, 31), 0.5, 1.0, 10),
+       "gsm8k": (20, 140, 700, 1e-5, 512, (0.014, 0.004, 500), 0.95, 0.0, 2)}
+
+
+@pytest.mark.parametrize("task", TBA)
+def test_tba_commands_match_tbas_code(task):
+    train, evaluation = _printed_by("tba.sh", task, *(["1b"] if task == "tldr" else []))
+    gpus, script, args = _parsed(train)
+    k, batch, steps, lr, length, beta, recent, inv_temp, staleness = TBA[task]
+    assert (script, gpus, args.vllm_gpu, args.k) == ("tba_vllm.py", 1, 1, k)
+    assert (args.per_device_train_batch_size * args.gradient_accumulation_steps, args.total_episodes // batch) == (
+        batch, steps) and args.total_episodes % batch == 0
+    assert (args.learning_rate, args.response_length, args.max_prompt_length, args.temperature) == (lr, length, 512, 0.7)
+    assert (args.beta, args.beta_final, args.beta_anneal_updates) == beta
+    assert (args.recent_prob, args.inv_temp, args.buffer_size, args.off_policy_steps) == (recent, inv_temp, 100,
+                                                                                         staleness)
+    if task == "tldr":  # TRL's non_eos_penalty: -1 in place of the score
+        assert (args.missing_eos_mode, args.missing_eos_penalty, args.sft_model_path) == (
+            "replace", -1.0, "mnoukhov/pythia1b-sft-tldr")
+    else:
+        assert (args.missing_eos_penalty, args.rule_reward, args.sft_model_path) == (
+            0.0, "last_number", "realtreetune/rho-1b-sft-GSM8K")
+    _, _, eval_args = _parsed(evaluation)
+    assert eval_args.response_length == length
+
+
+def test_gsm8k_no_robots_and_tba_refuse_what_they_cannot_run():
     for script, arguments in (("gsm8k.sh", ["bok", "async"]), ("gsm8k.sh", ["rloo", "fast"]),
-                              ("no_robots.sh", ["fast"])):
+                              ("no_robots.sh", ["fast"]), ("tba.sh", ["tldr", "7b"]), ("tba.sh", ["math"])):
         result = run(["bash", f"benchmark/{script}", "--print", *arguments], check=False)
         assert result.returncode == 2 and result.stderr.startswith("error:"), arguments

@@ -1,0 +1,500 @@
+"""TBA: trajectory balance with asynchrony, an off-policy objective with a replay buffer for online RLHF of language models.
+
+The policy is trained towards the distribution proportional to pi_ref(y | x) exp(r(x, y) / beta), the optimum of
+KL-regularised RLHF, by trajectory balance (Bartoldson et al. 2025, "Trajectory Balance with Asynchrony", arXiv
+2503.18929) in its VarGrad form: for the k responses to a prompt, d = sum over the response's tokens of
+log pi - log pi_ref, log Z = the group's mean of r / beta - d (no gradient), and the loss is the mean of
+(log Z + d - r / beta)^2. No ratio and no clipping: the loss holds for responses of any behaviour policy, which is
+why TBA trains on a replay buffer: each update generates a batch with the current policy into the buffer, then
+trains on groups drawn from it, a prompt of the newest batch with probability --recent-prob, else any prompt seen
+with responses drawn by score (--inv-temp). beta may fall linearly over the run (--beta to --beta-final).
+
+    python tba.py                                      # the offline tiny task, on a CPU
+    python tba.py --help                               # every argument
+    deepspeed --num_gpus 4 tba.py --deepspeed-config ds_configs/zero3.json \\
+        --sft-model-path ... --reward-model-path ... --dataset-name ...
+"""
+
+import os
+import re
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")  # must be set before deepspeed is imported
+
+import deepspeed
+import torch.distributed as dist
+from deepspeed.accelerator import get_accelerator
+from transformers import StaticCache
+
+from checks import check_bounds, check_gpu_driver, check_run, fail, parse_arguments
+from data import left_pad, load_data, load_model, prompt_batch, right_pad
+from distributed import (adam_class, ds_config, frozen_engine, mean_over_ranks, set_up_distributed,
+                         unwrapped_for_generation)
+from checkpoints import check_resume, latest_checkpoint, load_checkpoint, load_rank_state, save_checkpoint
+from runlog import RunLog, run_directory
+from evaluation import evaluate
+
+
+@dataclass
+class Args:
+    exp_name: str = os.path.basename(__file__)[: -len(".py")]
+    """name of this experiment, the first part of the run name"""
+    seed: int = 1
+    """random seed"""
+    track: bool = False
+    """log to Weights & Biases (set WANDB_MODE=offline to log without a network)"""
+    wandb_project_name: str = "async-rlhf"
+    """wandb project"""
+    wandb_entity: Optional[str] = None
+    """wandb entity (team or user)"""
+    output_dir: str = "runs"
+    """each run writes metrics.jsonl and checkpoints to <output_dir>/<run name>/"""
+
+    sft_model_path: str = "assets/tiny/sft"
+    """policy and reference model: a local directory or a hub id"""
+    reward_model_path: Optional[str] = "assets/tiny/reward"
+    """reward model (AutoModelForSequenceClassification with one label) used for training; not loaded with --rule-reward"""
+    gold_reward_model_path: Optional[str] = "assets/tiny/gold_reward"
+    """optional reward model used only for evaluation (eval/gold_scores); None to skip; not loaded with --rule-reward"""
+    rule_reward: Optional[str] = None
+    """score with a rule instead of a reward model: `last_number` (GSM8K's: 1 if the response's last number is the answer, else 0)"""
+    answer_column: str = "answer"
+    """with --rule-reward: the dataset column holding each prompt's answer"""
+    trust_remote_code: bool = False
+    """allow models and tokenizers to run code from their repository"""
+    dataset_name: str = "assets/tiny/data"
+    """dataset whose prompts are a `query` column of text or a `messages` column of chats: a local directory or a hub id"""
+    dataset_train_split: str = "train"
+    """split to train on"""
+    dataset_eval_split: str = "test"
+    """split to evaluate on"""
+    max_prompt_length: int = 64
+    """prompts longer than this many tokens keep their last max_prompt_length tokens"""
+    response_length: int = 16
+    """number of tokens to sample for each response"""
+    temperature: float = 0.7
+    """sampling temperature; training log-probabilities use the same temperature"""
+    stop_token: str = "eos"
+    """a response ends at its first stop token: `eos` for the tokenizer's EOS, or a string that is one token"""
+    missing_eos_penalty: float = -1.0
+    """score penalty for a response that has no stop token (see --missing-eos-mode)"""
+    missing_eos_mode: str = "add"
+    """`add` the penalty to the score of a response without a stop token (TRL), or `replace` its score by it (the paper's code)"""
+
+    total_episodes: int = 64_000
+    """number of sampled responses to train on"""
+    learning_rate: float = 2e-5
+    """AdamW learning rate, decayed linearly to zero"""
+    per_device_train_batch_size: int = 64
+    """responses per forward/backward pass on each device"""
+    gradient_accumulation_steps: int = 1
+    """micro-batches per optimizer step"""
+    num_mini_batches: int = 1
+    """optimizer steps per generation batch (the off-policy knob)"""
+    num_ppo_epochs: int = 1
+    """passes over each generation batch"""
+    k: int = 4
+    """responses sampled per prompt"""
+    beta: float = 0.1
+    """KL weight: the target is pi_ref exp(score / beta); at the first update if --beta-final is set"""
+    beta_final: Optional[float] = None
+    """beta reached linearly at update --beta-anneal-updates and kept after it (None: beta throughout)"""
+    beta_anneal_updates: int = 0
+    """updates over which beta falls from --beta to --beta-final (the paper's TL;DR: 1.0 to 0.05 by update 32)"""
+    buffer_size: int = 100
+    """responses the replay buffer keeps per prompt: its newest unique ones"""
+    recent_prob: float = 0.5
+    """probability that a training group's prompt is one of the newest generated batch's, with its k new responses; else any prompt seen (the paper: TL;DR 0.5, GSM8K 0.95)"""
+    inv_temp: float = 1.0
+    """a buffered prompt's k responses are drawn with probability proportional to exp(inv_temp x score) (0: uniformly; the paper: TL;DR 1, GSM8K 0)"""
+
+    deepspeed_config: str = "ds_configs/zero2.json"
+    """DeepSpeed JSON config (ZeRO stage, offload); batch sizes and precision are filled in here"""
+    bf16: bool = torch.cuda.is_available() and torch.cuda.is_bf16_supported(including_emulation=False)
+    """train and generate in bfloat16 (default: on when the GPU has it natively, compute capability 8.0 or later)"""
+    gradient_checkpointing: bool = False
+    """recompute activations in the backward pass to save memory"""
+    eval_every: int = 20
+    """evaluate every this many updates (0: only at the end)"""
+    num_eval_prompts: int = 256
+    """held-out prompts for evaluation (greedy responses, proxy and gold scores)"""
+    save_every: int = 0
+    """save a checkpoint every this many updates (0: only at the end)"""
+    resume: Optional[str] = None
+    """checkpoint directory, or run directory (its latest checkpoint), to continue from"""
+    local_rank: int = 0
+    """set by the deepspeed launcher"""
+
+    # Filled in at run time.
+    world_size: int = 1
+    """(set at run time) number of processes"""
+    local_batch_size: int = 0
+    """(set at run time) responses per generation batch on each device"""
+    batch_size: int = 0
+    """(set at run time) responses per generation batch on all devices"""
+    num_updates: int = 0
+    """(set at run time) number of generation batches"""
+
+
+# ===========================================================================================================
+# The algorithm: the only functions that differ between the algorithm scripts. To try a new loss,
+# change these and steps 3-4 of the loop in main(), which follows them.
+# ===========================================================================================================
+
+def tba_loss(logprobs, ref_logprobs, scores, beta, k):
+    """VarGrad trajectory balance over groups of k responses to one prompt (contiguous rows), from their summed
+    log-probabilities (no length normalisation): d = logprobs - ref_logprobs, log Z = sg(the group's mean of
+    score / beta - d); the mean of (log Z + d - score / beta)^2. Returns (loss, log Z per group)."""
+    d = (logprobs - ref_logprobs).view(-1, k)
+    target = (scores / beta).view(-1, k)
+    log_z = (target - d).mean(1, keepdim=True).detach()
+    return (log_z + d - target).pow(2).mean(), log_z.squeeze(1)
+
+
+def annealed_beta(args, update):
+    """beta at `update` (from 1): --beta, falling linearly to --beta-final at update 1 + --beta-anneal-updates."""
+    if args.beta_final is None:
+        return args.beta
+    progress = min(1.0, (update - 1) / max(args.beta_anneal_updates, 1))
+    return args.beta + (args.beta_final - args.beta) * progress
+
+
+class ReplayBuffer:
+    """TBA's replay buffer, one per rank: per prompt (its index in the train split), its newest `size` unique responses
+    (token ids), each with its score, its summed log-probability under the reference and the version of the policy
+    that generated it (the number of updates before it); and the newest generation batch, duplicates kept."""
+
+    def __init__(self, size):
+        self.size, self.responses, self.newest = size, {}, []
+
+    def add(self, prompts, responses, scores, ref_logprobs, version):
+        """A generation batch: prompts[i]'s k responses[i] (token lists), scores[i] and ref_logprobs[i]. A response the
+        buffer holds already moves to the newest place."""
+        self.newest = []
+        for prompt, *group in zip(prompts, responses, scores, ref_logprobs):
+            entries = [(tuple(response), score, ref, version) for response, score, ref in zip(*group)]
+            self.newest.append((prompt, entries))
+            fresh = {entry[0] for entry in entries}
+            kept = [entry for entry in self.responses.get(prompt, []) if entry[0] not in fresh]
+            unique = list({entry[0]: entry for entry in entries}.values())  # a repeated response: its last sample
+            self.responses[prompt] = (kept + unique)[-self.size:]
+
+    def sample(self, num_groups, k, recent_prob, inv_temp):
+        """num_groups groups, [(prompt, k entries, from the buffer)]: with probability recent_prob a prompt of the newest
+        batch not drawn yet with its k new responses, else any prompt seen with k of its responses drawn with
+        probability proportional to exp(inv_temp x score), without replacement where it has k or more."""
+        recent = [self.newest[i] for i in torch.randperm(len(self.newest)).tolist()]
+        seen = sorted(self.responses)
+        groups = []
+        for _ in range(num_groups):
+            if recent and torch.rand(()).item() < recent_prob:
+                groups.append((*recent.pop(), False))
+                continue
+            prompt = seen[torch.randint(len(seen), ()).item()]
+            entries = self.responses[prompt]
+            weights = torch.softmax(inv_temp * torch.tensor([entry[1] for entry in entries], dtype=torch.float64), 0)
+            chosen = torch.multinomial(weights, k, replacement=len(entries) < k).tolist()
+            groups.append((prompt, [entries[i] for i in chosen], True))
+        return groups
+
+    def state_dict(self):  # tuples, lists and numbers: a checkpoint loads them with weights_only
+        return {"newest": self.newest, "responses": self.responses}
+
+    def load_state_dict(self, state):
+        self.newest, self.responses = state["newest"], state["responses"]
+
+
+def main(args):
+    """The run: set-up (distributed, data, models and their DeepSpeed engines, the run directory), then the loop,
+    whose numbered steps are the algorithm."""
+    args.world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    validate(args)
+    rank, device = set_up_distributed(args)
+    prompts_per_rank = args.local_batch_size // args.k
+    tokenizer, stop_id, train_prompts, eval_prompts, train_answers, eval_answers = load_data(args, prompts_per_rank)
+    run_name, run_dir = run_directory(args)
+
+    # Models and DeepSpeed engines: the policy trains (AdamW, the learning rate decayed linearly to zero); the
+    # reference and reward models only run forward (frozen_engine: partitioned under ZeRO-3, else replicated).
+    model = load_model(args, args.sft_model_path, trained=True)
+    config = ds_config(args, train=True)  # --deepspeed-config with this run's batch sizes and precision
+    optimizer = adam_class(config)(model.parameters(), lr=args.learning_rate, eps=1e-5, weight_decay=0.0)
+    num_steps = args.num_updates * args.num_mini_batches * args.num_ppo_epochs  # the learning rate decays to 0
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 - step / num_steps)
+    policy = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler, config=config)[0]
+    ref_policy = frozen_engine(args, load_model(args, args.sft_model_path))
+    reward_model = frozen_engine(args, load_model(args, args.reward_model_path, reward=True))
+    gold_model = frozen_engine(args, load_model(args, args.gold_reward_model_path, reward=True))
+
+    start_update, episode, buffer = 0, 0, ReplayBuffer(args.buffer_size)
+    if args.resume:
+        start_update, episode = load_checkpoint(latest_checkpoint(args.resume), {"policy": policy})
+        buffer.load_state_dict(load_rank_state(latest_checkpoint(args.resume)))
+
+    run_log = RunLog(args, run_dir, run_name, start_update, episode)  # metrics.jsonl, wandb, the console
+    if rank == 0:
+        print(f"run {run_dir}: {args.num_updates} updates of {args.batch_size} responses "
+              f"({args.batch_size // args.k} prompts x {args.k})", flush=True)
+
+    pad = tokenizer.pad_token_id
+    if not args.resume:  # the curves start from the SFT policy
+        eval_metrics, samples = evaluate(args, policy, reward_model, gold_model, eval_prompts, eval_answers, tokenizer,
+                                         stop_id, device, generate, truncate_response, score_responses)
+        run_log.log(0, {**eval_metrics, "episode": 0}, samples)
+    start_time, start_episode = time.time(), episode
+    for update in range(start_update + 1, args.num_updates + 1):
+        # 1. Generate k responses per prompt with the current policy (version update - 1).
+        t0 = time.time()
+        indices = prompt_batch(len(train_prompts), prompts_per_rank, update - 1, args.seed, rank, args.world_size)
+        queries = left_pad([train_prompts[i] for i in indices], pad, device).repeat(args.k, 1)
+        answers = [train_answers[i] for i in indices] * args.k  # the k blocks of queries
+        context_length = queries.shape[1]
+        with unwrapped_for_generation(policy) as model:
+            responses = generate(model, queries, pad, stop_id, args.response_length, args.temperature)
+        responses = truncate_response(responses, stop_id, pad)
+        query_responses = torch.cat([queries, responses], 1)
+        t1 = time.time()
+
+        # 2. Score them, and their log-probabilities under the reference (fixed: kept in the buffer with them).
+        ref_logprobs, scores = [], []
+        with torch.no_grad():
+            for i in range(0, len(query_responses), args.per_device_train_batch_size):
+                chunk = query_responses[i: i + args.per_device_train_batch_size]
+                chunk_responses = chunk[:, context_length:]
+                ref_logprobs.append(response_logprobs(forward(ref_policy, chunk, pad).logits, chunk_responses,
+                                                      context_length, args.temperature))
+                scores.append(score_responses(args, reward_model, chunk, context_length,
+                                              answers[i: i + args.per_device_train_batch_size], tokenizer))
+        ref_logprobs = torch.cat(ref_logprobs).masked_fill(responses == pad, 0.0).sum(1)
+        raw_scores = torch.cat(scores)
+        scores = apply_missing_eos_penalty(raw_scores, responses, stop_id, args.missing_eos_penalty,
+                                           args.missing_eos_mode)
+
+        # 3. Into the replay buffer (sample j of prompt i is row j * prompts + i), then this update's training batch:
+        #    groups of k responses, each group's prompt a new one or any seen (ReplayBuffer.sample).
+        new_groups = [[[t for t in row if t != pad] for row in responses[i::prompts_per_rank].tolist()]
+                      for i in range(prompts_per_rank)]
+        buffer.add(indices, new_groups, scores.view(args.k, -1).t().tolist(), ref_logprobs.view(args.k, -1).t().tolist(),
+                   update - 1)
+        groups = buffer.sample(prompts_per_rank, args.k, args.recent_prob, args.inv_temp)
+        entries = [entry for _, group, _ in groups for entry in group]
+        train_queries = left_pad([train_prompts[prompt] for prompt, group, _ in groups for _ in group], pad, device)
+        train_responses = right_pad([list(entry[0]) for entry in entries], pad, device)
+        train_query_responses = torch.cat([train_queries, train_responses], 1)
+        train_padding = train_responses == pad
+        train_ref_logprobs = torch.tensor([entry[2] for entry in entries], device=device)
+        train_scores = torch.tensor([entry[1] for entry in entries], device=device)
+        staleness = torch.tensor([update - 1 - entry[3] for entry in entries], dtype=torch.float)
+        beta = annealed_beta(args, update)
+        t2 = time.time()
+
+        # 4. Trajectory-balance steps over mini-batches of whole groups (tba_loss()).
+        stats = {name: [] for name in ("loss", "log_z", "kl", "entropy")}
+        train_context = train_queries.shape[1]
+        local_mini_batch = args.local_batch_size // args.num_mini_batches
+        for _ in range(args.num_ppo_epochs):
+            order = (torch.randperm(prompts_per_rank, device=device).unsqueeze(1) * args.k
+                     + torch.arange(args.k, device=device)).flatten()  # groups shuffled, each kept whole
+            for mini_start in range(0, args.local_batch_size, local_mini_batch):
+                for micro_start in range(mini_start, mini_start + local_mini_batch, args.per_device_train_batch_size):
+                    idx = order[micro_start: micro_start + args.per_device_train_batch_size]
+                    logits = forward(policy, train_query_responses[idx], pad).logits
+                    new_logprobs = response_logprobs(logits, train_responses[idx], train_context, args.temperature)
+                    new_logprobs = new_logprobs.masked_fill(train_padding[idx], 0.0).sum(1)
+                    loss, log_z = tba_loss(new_logprobs, train_ref_logprobs[idx], train_scores[idx], beta, args.k)
+                    policy.backward(loss)
+                    policy.step()
+                    with torch.no_grad():
+                        entropy = entropy_from_logits(logits[:, train_context - 1: -1] / args.temperature)
+                        stats["loss"].append(loss)
+                        stats["log_z"].append(log_z.mean())
+                        stats["kl"].append((new_logprobs - train_ref_logprobs[idx]).mean())
+                        stats["entropy"].append(masked_mean(entropy, ~train_padding[idx]))
+        logits = None  # batch x length x vocabulary: not held through the steps that follow
+        get_accelerator().synchronize()  # a GPU may still run the optimizer's step: it counts as training
+        t3 = time.time()
+
+        # 5. Log, evaluate, save.
+        episode += args.batch_size
+        step_means = {name: torch.stack(per_step).mean().item() for name, per_step in stats.items()}
+        metrics = mean_over_ranks({
+            "objective/scores": scores.mean().item(),
+            "objective/raw_scores": raw_scores.mean().item(),
+            "objective/kl": step_means["kl"],
+            "objective/log_z": step_means["log_z"],
+            "objective/beta": beta,
+            "policy/entropy_avg": step_means["entropy"],
+            "loss/policy_avg": step_means["loss"],
+            "buffer/from_buffer": sum(from_buffer for _, _, from_buffer in groups) / len(groups),
+            "buffer/staleness_mean": staleness.mean().item(),
+            "buffer/responses": sum(len(entries) for entries in buffer.responses.values()),
+            "buffer/prompts": len(buffer.responses),
+            "val/num_eos_tokens": (responses == stop_id).sum().item() * args.world_size,
+            "val/response_length": (responses != pad).sum(1).float().mean().item(),
+            "time/generation": t1 - t0,
+            "time/scoring": t2 - t1,
+            "time/training": t3 - t2,
+        }, device)
+        staleness_max = staleness.max().to(device)
+        dist.all_reduce(staleness_max, op=dist.ReduceOp.MAX)
+        metrics.update({"buffer/staleness_max": staleness_max.item(), "lr": policy.get_lr()[0], "episode": episode,
+                        "time/episodes_per_second": (episode - start_episode) / (time.time() - start_time)})
+        samples = None
+        if (args.eval_every and update % args.eval_every == 0) or update == args.num_updates:
+            eval_metrics, samples = evaluate(args, policy, reward_model, gold_model, eval_prompts, eval_answers, tokenizer,
+                                             stop_id, device, generate, truncate_response, score_responses)
+            metrics.update(eval_metrics)
+        run_log.log(update, metrics, samples)
+        if (args.save_every and update % args.save_every == 0) or update == args.num_updates:
+            save_checkpoint(args, run_dir, update, episode, {"policy": policy}, rank_state=buffer.state_dict())
+
+    run_log.close()
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+# ===========================================================================================================
+# This script's argument checks (checks.py holds those of every script), then the RLHF details the loop computes
+# with, the same in every script on purpose (tests/test_layout.py): sampling, log-probabilities at the sampling
+# temperature, truncation at the stop token, reward scoring and the rule reward, the missing-EOS penalty.
+# ===========================================================================================================
+
+def validate(args):
+    """Check the arguments before any model is loaded; fill in the derived batch sizes."""
+    check_gpu_driver()
+    check_bounds(args, positive=("beta",), at_least_0=("beta_anneal_updates", "inv_temp"))
+    if args.beta_final is not None and not args.beta_final > 0:
+        fail("beta_final", f"must be positive, got {args.beta_final}")
+    if args.buffer_size < args.k:
+        fail("buffer_size", f"must hold at least a group of k = {args.k} responses per prompt, got {args.buffer_size}")
+    if not 0 <= args.recent_prob <= 1:
+        fail("recent_prob", f"must be a probability in [0, 1], got {args.recent_prob}")
+    if args.k < 2:
+        fail("k", f"a group needs at least 2 responses per prompt (log Z is its mean), got {args.k}")
+    if args.per_device_train_batch_size % args.k:
+        fail("k", f"must divide --per-device-train-batch-size ({args.per_device_train_batch_size}): a micro-batch "
+                  "holds whole groups")
+    args.local_batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps * args.num_mini_batches
+    args.batch_size = args.local_batch_size * args.world_size
+    args.num_updates = args.total_episodes // args.batch_size
+    if args.num_updates < 1:
+        fail("total_episodes", f"must be at least one batch of {args.batch_size} responses")
+    check_run(args, RULE_REWARDS)
+    check_resume(args)
+
+
+@torch.no_grad()
+def generate(model, queries, pad_token_id, stop_token_id, response_length, temperature=None):
+    """Sample (or, with temperature None, greedily decode) responses to left-padded queries: HF generate()'s loop (the
+    same tokens for the same seed) with a preallocated KV cache and without its per-step machinery (logits processors,
+    stopping criteria), which costs more than a small model's arithmetic. After its stop token a response gets
+    padding; the loop ends when all have one. Padded positions read token 0 (see data.load_tokenizer)."""
+    attention_mask = queries != pad_token_id
+    position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
+    cache = StaticCache(config=model.config, max_cache_len=queries.shape[1] + response_length)
+    cache_position = torch.arange(queries.shape[1], device=queries.device)
+    finished = torch.zeros(len(queries), dtype=torch.bool, device=queries.device)
+    inputs, tokens = queries.masked_fill(~attention_mask, 0), []
+    for _ in range(response_length):
+        logits = model(input_ids=inputs, attention_mask=attention_mask, position_ids=position_ids,
+                       past_key_values=cache, cache_position=cache_position, use_cache=True,
+                       logits_to_keep=1).logits[:, -1].float()
+        if temperature:
+            token = torch.multinomial(torch.softmax(logits / temperature, dim=-1), num_samples=1).squeeze(1)
+        else:
+            token = logits.argmax(-1)
+        token = token.masked_fill(finished, pad_token_id)
+        tokens.append(token)
+        finished |= token == stop_token_id
+        if finished.all():
+            break
+        inputs = token.masked_fill(finished, 0).unsqueeze(1)  # a finished response's next input: never attended to
+        attention_mask = torch.cat([attention_mask, torch.ones_like(inputs, dtype=torch.bool)], 1)
+        position_ids = position_ids[:, -1:] + 1
+        cache_position = cache_position[-1:] + 1
+    return torch.stack(tokens, 1)
+
+
+def truncate_response(responses, stop_token_id, pad_token_id):
+    """Replace everything after the first stop token (which stays), and from the first pad token, by padding."""
+    is_stop = responses == stop_token_id
+    after_stop = (is_stop.cumsum(1) - is_stop.long()) > 0
+    from_pad = (responses == pad_token_id).cumsum(1) > 0
+    return responses.masked_fill(after_stop | from_pad, pad_token_id)
+
+
+def forward(model, query_responses, pad_token_id):
+    """Run a model on left-padded queries followed by right-padded responses; padded positions are masked and read
+    token 0 (the pad id may lie outside the model's vocabulary, see data.load_tokenizer)."""
+    attention_mask = query_responses != pad_token_id
+    position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
+    return model(input_ids=query_responses.masked_fill(~attention_mask, 0), attention_mask=attention_mask,
+                 position_ids=position_ids, use_cache=False)
+
+
+def response_logprobs(logits, responses, context_length, temperature):
+    """Log-probabilities of the response tokens under logits divided by the sampling temperature. Padding gets a
+    number that callers mask: its id may lie past the vocabulary (data.load_tokenizer), so it reads the last row."""
+    logits = logits[:, context_length - 1: -1].float() / temperature
+    tokens = responses.clamp(max=logits.shape[-1] - 1)
+    return torch.log_softmax(logits, dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+
+
+def entropy_from_logits(logits):
+    logits = logits.float()
+    return torch.logsumexp(logits, -1) - (torch.softmax(logits, -1) * logits).sum(-1)
+
+
+@torch.no_grad()
+def reward_scores(model, query_responses, pad_token_id):
+    """One score per sequence: the classifier's head (`score`) on the hidden state of its last non-pad token, found
+    here rather than by the model, which would look for its config's pad id (EOS, for many tokenizers)."""
+    module = getattr(model, "module", model)  # a DeepSpeed engine's model
+    hidden = forward(getattr(module, module.base_model_prefix), query_responses, pad_token_id).last_hidden_state
+    positions = torch.arange(query_responses.shape[1], device=query_responses.device)
+    last = ((query_responses != pad_token_id) * positions).argmax(1)
+    return module.score(hidden[torch.arange(len(hidden), device=hidden.device), last]).squeeze(-1).float()
+
+
+def last_number_reward(response, answer):
+    """GSM8K's rule: 1.0 when the last number in the response equals the last number of the answer (of the
+    text after `####` in GSM8K's answer column), else 0.0; commas in numbers are ignored."""
+    numbers = [re.findall(r"-?\d[\d,]*(?:\.\d+)?", text) for text in (response, answer.split("####")[-1])]
+    if not numbers[0] or not numbers[1]:
+        return 0.0
+    return float(float(numbers[0][-1].replace(",", "")) == float(numbers[1][-1].replace(",", "")))
+
+
+RULE_REWARDS = {"last_number": last_number_reward}  # the rules --rule-reward names; add yours here
+
+
+@torch.no_grad()
+def score_responses(args, reward_model, query_responses, context_length, answers, tokenizer):
+    """One score per response: the reward model's, or the --rule-reward rule's on the response's text and answer."""
+    if args.rule_reward is None:
+        return reward_scores(reward_model, query_responses, tokenizer.pad_token_id)
+    texts = tokenizer.batch_decode(query_responses[:, context_length:], skip_special_tokens=True)
+    rule = RULE_REWARDS[args.rule_reward]
+    return torch.tensor([rule(text, answer) for text, answer in zip(texts, answers)], device=query_responses.device)
+
+
+def apply_missing_eos_penalty(scores, responses, stop_token_id, penalty, mode):
+    """The score of a response without a stop token: `add` the penalty to it (TRL), or `replace` it by the
+    penalty (the paper's code)."""
+    missing = ~(responses == stop_token_id).any(1)
+    if mode == "replace":
+        return torch.where(missing, torch.full_like(scores, penalty), scores)
+    return scores + penalty * missing.float()
+
+
+def masked_mean(values, mask):
+    return (values * mask).sum() / mask.sum().clamp(min=1)
+
+
+if __name__ == "__main__":
+    main(parse_arguments(Args))
