@@ -133,7 +133,7 @@ def rloo_math_run(tmp_path_factory):
 # 0.736; online_dpo.py and bok.py in 200 updates.
 @pytest.mark.parametrize("command, updates", [
     (["rloo.py"], 100),
-    (["grpo_vllm.py", "--loss-type", "dapo", "--cliprange-high", "0.28", "--vllm-enforce-eager"], 100)],
+    (["grpo_vllm.py", "--loss-type", "dapo", "--vllm-enforce-eager"], 100)],
     ids=lambda x: " ".join(x) if isinstance(x, list) else str(x))
 def test_rl_raises_greedy_test_accuracy_on_the_math_task_by_20_points(request, tmp_path, command, updates):
     script = command[0]

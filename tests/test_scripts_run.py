@@ -599,7 +599,8 @@ WALK_SCRIPTS = SCRIPTS + ["evaluate.py"]
 COMPUTED = {"local_rank", "world_size", "local_batch_size", "batch_size", "num_updates"}  # set by the script
 NEGATIVE_OK = {"missing_eos_penalty"}
 ZERO_OK = {"seed", "missing_eos_penalty", "kl_coef", "beta", "gamma", "lam", "is_cap", "eval_every", "save_every",
-           "check_weights_every", "overlong_buffer", "dynamic_sampling_rounds"}  # (0: none, or never)
+           "check_weights_every", "overlong_buffer", "dynamic_sampling_rounds", "beta_anneal_updates", "recent_prob",
+           "inv_temp"}  # (0: none, never, or uniformly)
 CHOICES = ("missing_eos_mode", "loss_type", "is_level", "is_mode", "weight_sync", "rule_reward", "backend")
 
 
