@@ -130,7 +130,8 @@ def rloo_math_run(tmp_path_factory):
 # here: about 60 % of the groups score all 0 or all 1. The other scripts share the rule reward and its scoring
 # (identical in every script: tests/test_layout.py) and are left out of CI, which keeps under 50 minutes; measured to
 # gain 27-33 points (docs/math.md): grpo.py 0.486 -> 0.715 (--loss-type dapo 0.708), grpo_vllm.py 0.733, as DAPO
-# 0.736; online_dpo.py and bok.py in 200 updates.
+# 0.736 (with GRPO's beta 0.04, before DAPO's defaults, which the test runs now); online_dpo.py and bok.py in 200
+# updates.
 @pytest.mark.parametrize("command, updates", [
     (["rloo.py"], 100),
     (["grpo_vllm.py", "--loss-type", "dapo", "--vllm-enforce-eager"], 100)],
