@@ -8,15 +8,15 @@
 #
 # Every *_vllm.py run checks at every update that vLLM holds the learner's weights (--check-weights-every 1) and
 # stops if not; the on-policy (--sync) runs also assert vLLM's log-probabilities against the learner's at every update.
-# 1 GPU:  each script alone (rloo, online_dpo, bok, ppo, grpo: HF generation; the *_vllm.py scripts: vLLM colocated
-#         on the training GPU with the memory share it chose), finite metrics, off-policy steps 0,1,1,1; rloo and
-#         ppo resumed from checkpoint 2 with the same metrics bit for bit (CUDA's random state), rloo_vllm within
+# 1 GPU:  each script alone (rloo, online_dpo, bok, ppo, grpo, tba: HF generation; the *_vllm.py scripts: vLLM
+#         colocated on the training GPU with the memory share it chose), finite metrics, off-policy steps 0,1,1,1; rloo,
+#         ppo and tba resumed from checkpoint 2 with the same metrics bit for bit (CUDA's random state; TBA's buffer), rloo_vllm within
 #         1e-3; evaluate.py with vLLM, several checkpoints reloaded into one engine scoring as a fresh engine does;
 #         the in-memory hand-off over CUDA IPC, and a run through files with the same scores; rloo_vllm --sync in
 #         bf16 with async/mismatch_kl under 1e-2 at every update, and on a real model in float32 under 1e-5. This
 #         is where NCCL meets CPU tensors (gloo beside it), bf16, and vLLM's memory check.
 # 2 GPUs: rloo.py and ppo.py under ZeRO-3 (collectives on NCCL, parameters gathered per module); grpo.py as DAPO
-#         (its token count all-reduced); rloo_vllm.py with one training rank and vLLM on GPU 1 (the NCCL hand-off;
+#         (its token count and dynamic sampling's kept groups all-reduced); tba.py (a buffer per rank); rloo_vllm.py with one training rank and vLLM on GPU 1 (the NCCL hand-off;
 #         the same scores through files); deepspeed --num_gpus 2 rloo_vllm.py with vLLM sharing GPU 0: through
 #         files (CUDA IPC would strand a buffer on rank 1 at every update), said in one line, rank 1's GPU memory flat
 #         over 12 updates; and the mechanism
@@ -99,18 +99,18 @@ EOF
 
 echo "$gpus GPU(s); logs in $out"
 # 1 GPU
-for script in rloo online_dpo bok ppo grpo; do
+for script in rloo online_dpo bok ppo grpo tba; do
   check "1gpu_$script" bash -c "$(declare -f run1); CUDA_VISIBLE_DEVICES=0 run1 $script.py --output-dir $out/1gpu_$script"
   check "1gpu_${script}_metrics" metrics_ok "$out/1gpu_$script" 4
 done
-for script in rloo ppo; do  # the CUDA random state is in the checkpoint: resuming repeats the run exactly
+for script in rloo ppo tba; do  # the CUDA random state (and TBA's buffer) is in the checkpoint: resuming repeats the run exactly
   check "1gpu_${script}_resume" resumes_exactly "$script.py" "$out/1gpu_${script}_resume"
 done
 check 1gpu_evaluate_hf bash -c "CUDA_VISIBLE_DEVICES=0 python evaluate.py --checkpoints $(ls -d $out/1gpu_rloo/*__*) --num-eval-prompts 256 --backend hf --output $out/evaluation_hf.json"
 if python -c "import vllm" 2>/dev/null; then
   check 1gpu_online_dpo_vllm bash -c "$(declare -f run1); CUDA_VISIBLE_DEVICES=0 run1 online_dpo_vllm.py $vllm_flags --save-every 2 --output-dir $out/1gpu_vllm"
   check 1gpu_online_dpo_vllm_metrics metrics_ok "$out/1gpu_vllm" 4 0 1 1 1
-  for script in rloo_vllm ppo_vllm bok_vllm grpo_vllm; do
+  for script in rloo_vllm ppo_vllm bok_vllm grpo_vllm tba_vllm; do
     check "1gpu_$script" bash -c "$(declare -f run1); CUDA_VISIBLE_DEVICES=0 run1 $script.py $vllm_flags --output-dir $out/1gpu_$script"
     check "1gpu_${script}_metrics" metrics_ok "$out/1gpu_$script" 4 0 1 1 1
   done
@@ -163,10 +163,15 @@ if [ "$gpus" -ge 2 ]; then
       --per-device-train-batch-size 32 --total-episodes 192 --eval-every 1 --num-eval-prompts 64 --output-dir "$out/2gpu_$script"
     check "2gpu_zero3_${script}_metrics" metrics_ok "$out/2gpu_$script" 3
   done
-  # DAPO's token mean over both ranks (the token count all-reduced over NCCL)
+  # DAPO's token mean over both ranks (the token count all-reduced over NCCL) and its dynamic sampling (each rank's
+  # count of groups kept all-reduced, MIN, before every further generation batch)
   check 2gpu_grpo_dapo deepspeed --num_gpus 2 grpo.py --loss-type dapo --bf16 --per-device-train-batch-size 32 \
     --total-episodes 192 --eval-every 1 --num-eval-prompts 64 --output-dir "$out/2gpu_grpo"
   check 2gpu_grpo_dapo_metrics metrics_ok "$out/2gpu_grpo" 3
+  # TBA: a replay buffer per rank, its groups kept whole in each rank's micro-batches
+  check 2gpu_tba deepspeed --num_gpus 2 tba.py --bf16 --per-device-train-batch-size 32 --total-episodes 192 \
+    --eval-every 1 --num-eval-prompts 64 --output-dir "$out/2gpu_tba"
+  check 2gpu_tba_metrics metrics_ok "$out/2gpu_tba" 3
   # Why two ranks sharing vLLM's GPU hand over through files: a CUDA IPC export that no process imports stays
   # allocated (torch's sent-data counter starts at 1), as vLLM's IPC engine leaves one on every rank but rank 0.
   check 2gpu_ipc_exports_are_kept python -c "

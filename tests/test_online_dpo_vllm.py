@@ -2,6 +2,7 @@
 weights handed to vLLM, generator failure. (Its runs, learning,
 resume, off-policy steps under DeepSpeed and bad input are in test_scripts_run.py with the other scripts.)"""
 
+import concurrent.futures
 import contextlib
 import copy
 import functools
@@ -273,8 +274,18 @@ def _hung_push(tmp_path, how):
     return process.returncode, stdout, [line for line in stderr.splitlines() if line.startswith("error:")], took, alive
 
 
-def test_a_hand_off_stuck_in_the_broadcast_ends_with_one_line_naming_the_step(tmp_path):
-    returncode, stdout, errors, took, alive = _hung_push(tmp_path, "stop")
+@pytest.fixture(scope="module")
+def hung_pushes(tmp_path_factory):
+    """The three ways of _hung_push at once: their processes mostly wait (on vLLM's start, a stopped worker, a
+    timeout), so three take the time of about one."""
+    hows = ["stop", "out of memory", "raise"]
+    directories = [tmp_path_factory.mktemp("push") for _ in hows]  # (mktemp is not thread-safe)
+    with concurrent.futures.ThreadPoolExecutor(len(hows)) as pool:
+        return dict(zip(hows, pool.map(_hung_push, directories, hows)))
+
+
+def test_a_hand_off_stuck_in_the_broadcast_ends_with_one_line_naming_the_step(hung_pushes):
+    returncode, stdout, errors, took, alive = hung_pushes["stop"]
     # update_weights, the worker's receiving end, is the call in flight; it times out at 5 s, then the watchdog
     # gives the stuck broadcast 5 s more to end on its own
     assert errors == ["error: weight hand-off: update_weights took more than 5 s (--generation-timeout)"]
@@ -282,10 +293,10 @@ def test_a_hand_off_stuck_in_the_broadcast_ends_with_one_line_naming_the_step(tm
     assert not alive, [(p.pid, p.name()) for p in alive]
 
 
-def test_a_hand_off_that_vllms_worker_fails_ends_within_seconds_naming_the_cause(tmp_path):
+def test_a_hand_off_that_vllms_worker_fails_ends_within_seconds_naming_the_cause(hung_pushes):
     """vLLM's worker raises in update_weights (out of memory for its receive buffer) and leaves the learner alone in
     the broadcast: the failure is recorded as it happens, and the watchdog ends the run 5 s later, naming it."""
-    returncode, stdout, errors, took, alive = _hung_push(tmp_path, "out of memory")
+    returncode, stdout, errors, took, alive = hung_pushes["out of memory"]
     assert len(errors) == 1 and errors[0].startswith("error: weight hand-off: update_weights failed in vLLM: "), errors
     assert "memory" in errors[0], errors
     # (before the failure was recorded: --generation-timeout, 60 s here, and 5 s more)
@@ -293,11 +304,11 @@ def test_a_hand_off_that_vllms_worker_fails_ends_within_seconds_naming_the_cause
     assert not alive, [(p.pid, p.name()) for p in alive]
 
 
-def test_a_hand_off_that_fails_on_the_learners_side_raises_and_exits_at_once(tmp_path):
+def test_a_hand_off_that_fails_on_the_learners_side_raises_and_exits_at_once(hung_pushes):
     """The learner's end raises in the middle of a push (as CUDA would, out of memory while packing): the error goes up
     as usual and the process exits within seconds. Python joins vLLM's sender thread at exit, where the worker's
     update_weights waits for the rest of the broadcast: it must end then, not at --generation-timeout (60 s here)."""
-    returncode, stdout, errors, took, alive = _hung_push(tmp_path, "raise")
+    returncode, stdout, errors, took, alive = hung_pushes["raise"]
     assert "raised: handing version 1 of the policy to vLLM failed: the learner ran out of memory" in stdout, stdout
     assert returncode == 1 and not errors and took < 15, (returncode, errors, took)
     assert not alive, [(p.pid, p.name()) for p in alive]

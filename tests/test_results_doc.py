@@ -52,7 +52,8 @@ def doc_tables():
 # --- Figure 4 in miniature and with real asynchrony: means over the seeds of a CSV of benchmark/tiny_*.py ---
 
 ALGORITHMS = {"online DPO": "online_dpo", "PPO": "ppo", "PPO + IS": "ppo+IS", "RLOO": "rloo", "RLOO + IS": "rloo+IS",
-              "best-of-2": "bok", "GRPO": "grpo", "GRPO + IS": "grpo+IS", "DAPO + IS": "dapo+IS"}
+              "best-of-2": "bok", "GRPO": "grpo", "GRPO + IS": "grpo+IS", "DAPO + IS": "dapo+IS",
+              "TBA": "tba"}
 
 
 def tiny_csv(name, knob):

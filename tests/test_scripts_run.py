@@ -106,6 +106,7 @@ def test_help_lists_every_argument_with_its_docstring(warm_runs, script):
 #                              test_grpo_math.py checks each loss by hand)
 #   grpo_vllm.py               -0.42 -> 3.20, 0.20 -> 0.87
 #   tba.py                     -0.42 -> 3.01, 0.20 -> 0.83 (--beta 0.03: 3.08, 0.85, KL 2.5 against 4.4)
+UPDATES = 50
 LEARNING = [  # (in pairs that run side by side: see learning_runs)
     (["rloo.py"], 2.0, 0.4),
     (["rloo_vllm.py", "--weight-sync", "memory"], 2.0, 0.4),
@@ -134,8 +135,8 @@ def learning_runs(tmp_path_factory):
     def one(command):
         tmp = tmp_path_factory.mktemp(command[0][:-3])
         eager = ["--vllm-enforce-eager"] if command[0].endswith("_vllm.py") else []  # starts faster: short runs
-        return run_script(*command, *eager, "--learning-rate", "1e-4", "--total-episodes", "6400", "--eval-every",
-                          "50", "--track", "--output-dir", str(tmp / "runs"), env={"WANDB_DIR": str(tmp)},
+        return run_script(*command, *eager, "--learning-rate", "1e-4", "--total-episodes", str(64 * UPDATES),
+                          "--eval-every", str(UPDATES), "--track", "--output-dir", str(tmp / "runs"), env={"WANDB_DIR": str(tmp)},
                           check=False), tmp
 
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
@@ -151,15 +152,15 @@ def test_default_run_logs_saves_and_learns(learning_runs, case):
     (wandb_run,) = glob.glob(str(tmp_path / "wandb" / "offline-run-*"))  # --track logged to wandb (offline)
     assert glob.glob(os.path.join(wandb_run, "*.wandb"))
     rows = read_metrics(run_dir)
-    assert [row["update"] for row in rows] == list(range(101))
+    assert [row["update"] for row in rows] == list(range(UPDATES + 1))
     assert_finite(rows)
     generation = [] if script.endswith("_vllm.py") else ["time/generation"]
     for key in COMMON_METRICS + ALGORITHM_METRICS[script] + generation + ["eval/scores", "eval/gold_scores"]:
-        assert key in rows[50], key
-    assert ("time/generation" in rows[50]) != script.endswith("_vllm.py")
+        assert key in rows[UPDATES], key
+    assert ("time/generation" in rows[UPDATES]) != script.endswith("_vllm.py")
 
     first = rows[1]
-    assert first["episode"] == 64 and rows[-1]["episode"] == 6400
+    assert first["episode"] == 64 and rows[-1]["episode"] == 64 * UPDATES
     kl = "pairs/" if script.startswith("online_dpo") else "objective/"  # DPO: the KL of the trained pairs
     assert abs(first[kl + "kl"]) < 1e-6  # before the first update the policy is the reference
     if script.startswith(("rloo", "ppo", "grpo")):
@@ -180,7 +181,7 @@ def test_default_run_logs_saves_and_learns(learning_runs, case):
     if script.startswith("ppo"):  # whitened advantages and a ratio of one: the surrogate is zero (no correction yet)
         assert abs(first["loss/policy_avg"]) < 1e-5 and first["loss/value_avg"] > 0
     if script.endswith("_vllm.py"):  # the first batch comes from the SFT policy, later ones K = 1 update late
-        assert [row["async/off_policy_steps"] for row in rows[1:]] == [0] + [1] * 99
+        assert [row["async/off_policy_steps"] for row in rows[1:]] == [0] + [1] * (UPDATES - 1)
         assert all(row["time/weight_sync"] > 0 for row in rows[1:3])
     if "async/mismatch_kl" in rows[1]:
         # Behaviour (vLLM) against proximal (learner) log-probabilities. In float32, on-policy (the first batch, from
@@ -191,7 +192,7 @@ def test_default_run_logs_saves_and_learns(learning_runs, case):
         assert mismatch[0] < 1e-5 and ess[0] > 1 - 1e-5 and rows[1]["async/is_truncated"] == 0
         assert max(mismatch[1:]) > 1e-4 and min(ess[1:]) < 0.999, (max(mismatch), min(ess))
 
-    checkpoint = os.path.join(run_dir, "checkpoint-100")
+    checkpoint = os.path.join(run_dir, f"checkpoint-{UPDATES}")
     model = AutoModelForCausalLM.from_pretrained(checkpoint)
     sft = AutoModelForCausalLM.from_pretrained(os.path.join(TINY, "sft"))
     moved = max((p - q).abs().max().item() for p, q in zip(model.parameters(), sft.parameters()))
@@ -206,7 +207,7 @@ def test_default_run_logs_saves_and_learns(learning_runs, case):
 
     evals = [row for row in rows if "eval/scores" in row]
     first, last = evals[0], evals[-1]
-    assert first["episode"] == 0 and last["episode"] == 6400
+    assert first["episode"] == 0 and last["episode"] == 64 * UPDATES
     assert last["eval/scores"] - first["eval/scores"] > proxy_margin, evals
     assert last["eval/gold_scores"] - first["eval/gold_scores"] > gold_margin, evals
     assert last["eval/response_length"] > first["eval/response_length"]  # it learned to name more topic words
