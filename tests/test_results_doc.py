@@ -176,6 +176,29 @@ def smollm2_recipe():
     return cell
 
 
+def tiny_defaults():
+    """The defaults' speed-up table (tiny task, one seed): one part of async_speedup_tiny.txt per script."""
+    outputs = {}
+    for part in re.split(r"\n\n(?=running )", read("async_speedup_tiny.txt"))[1:]:  # [0]: the command
+        header = re.search(r"^ {8}( +loop seconds.*)$", part, re.M).group(1)
+        names = [header[i:i + 17].strip() for i in range(0, len(header), 17)]
+        modes = {mode: dict(zip(names, re.search(rf"^{mode} +([-\d. ]+)$", part, re.M).group(1).split()))
+                 for mode in ("sync", "async")}
+        modes["speed-up"] = re.search(r"^async speed-up .*: ([\d.]+x)$", part, re.M).group(1)
+        outputs[f"`{part.split()[1]}.py`"] = modes
+
+    def idle(mode):
+        return f"{rounded(Fraction(mode['learner idle']) * 100, 1)} %"
+    columns = {
+        "sync loop": lambda o: f"{rounded(o['sync']['loop seconds'], 1)} s",
+        "async loop": lambda o: f"{rounded(o['async']['loop seconds'], 1)} s",
+        "speed-up": lambda o: o["speed-up"],
+        "learner idle sync -> async": lambda o: f"{idle(o['sync'])} -> {idle(o['async'])}",
+        "gold sync / async (start 0.201)": lambda o: f"{o['sync']['gold score']} / {o['async']['gold score']}",
+    }
+    return lambda label, column: columns[column](outputs[label])
+
+
 def math_task():
     """The math task's table (3 seeds, 288 test problems): one part of the output per script."""
     parts = re.split(r"\n\n(?=running )", read("async_speedup_math.txt"))
@@ -212,6 +235,7 @@ CHECKED = {
     ("algorithm", "N = 1"): lambda: tiny_csv("tiny_offpolicy.csv", "n"),
     ("algorithm", "K = 0 (sync)"): lambda: tiny_csv("tiny_async.csv", "k"),
     ("script", "throughput speed-up"): math_task,
+    ("script", "sync loop"): tiny_defaults,
     ("algorithm", "`*_vllm.py --sync`"): smollm2_recipe,
     ("script, 10 updates", "greedy test accuracy, seed 1 (start -> update 5 -> 10)"): smollm2_lr3e6,
     ("`rloo_vllm.py`, lr 1e-5, 10 updates", "final accuracy, seed 1, seed 2"):
@@ -231,7 +255,6 @@ CHECKED = {
 UNCHECKED = {
     ("", "paper (TL;DR, Pythia 2.8b, 4 x A100)"):
         "the paper's figures beside ours in words; ours are the speed-up tables below it",
-    ("script", "sync loop"): "no stored output: needs a rerun of `python benchmark/async_speedup.py`",
     ("script, settings", "sync loop"): "no stored output: needs a rerun of the async_speedup.py commands above it",
     ("script", "gold at 19,200 episodes"): "no stored output (taken from each script's doc): needs each default run",
 }
