@@ -10,14 +10,14 @@
 # stops if not; the on-policy (--sync) runs also assert vLLM's log-probabilities against the learner's at every update.
 # 1 GPU:  each script alone (rloo, online_dpo, bok, ppo, grpo, tba: HF generation; the *_vllm.py scripts: vLLM
 #         colocated on the training GPU with the memory share it chose), finite metrics, off-policy steps 0,1,1,1; rloo,
-#         ppo and tba resumed from checkpoint 2 with the same metrics bit for bit (CUDA's random state; TBA's buffer), rloo_vllm within
-#         1e-3; evaluate.py with vLLM, several checkpoints reloaded into one engine scoring as a fresh engine does;
+#         ppo and tba resumed from checkpoint 2 with the same metrics bit for bit (CUDA's random state; TBA's
+#         buffer), rloo_vllm within 1e-3; evaluate.py with vLLM, several checkpoints reloaded into one engine scoring as a fresh engine does;
 #         the in-memory hand-off over CUDA IPC, and a run through files with the same scores; rloo_vllm --sync in
 #         bf16 with async/mismatch_kl under 1e-2 at every update, and on a real model in float32 under 1e-5. This
 #         is where NCCL meets CPU tensors (gloo beside it), bf16, and vLLM's memory check.
 # 2 GPUs: rloo.py and ppo.py under ZeRO-3 (collectives on NCCL, parameters gathered per module); grpo.py as DAPO
-#         (its token count and dynamic sampling's kept groups all-reduced); tba.py (a buffer per rank); rloo_vllm.py with one training rank and vLLM on GPU 1 (the NCCL hand-off;
-#         the same scores through files); deepspeed --num_gpus 2 rloo_vllm.py with vLLM sharing GPU 0: through
+#         (its token count and dynamic sampling's kept groups all-reduced); tba.py (a buffer per rank); rloo_vllm.py
+#         with one training rank and vLLM on GPU 1 (the NCCL hand-off; the same scores through files); deepspeed --num_gpus 2 rloo_vllm.py with vLLM sharing GPU 0: through
 #         files (CUDA IPC would strand a buffer on rank 1 at every update), said in one line, rank 1's GPU memory flat
 #         over 12 updates; and the mechanism
 #         itself: four CUDA-IPC-exported 256 MiB buffers that no process imports stay allocated after they are dropped.
