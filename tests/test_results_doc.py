@@ -145,19 +145,20 @@ def smollm2_lr3e6():
 
 
 def hf_scripts():
-    """smollm2_hf_scripts.txt: {script: [(update, accuracy), ...] per seed}."""
-    runs = {}
-    for script, seed, curve in re.findall(r"^(\w+) seed (\d) .*?: (\[.*\])$", read("smollm2_hf_scripts.txt"), re.M):
+    """smollm2_hf_scripts.txt and smollm2_hf_tba.txt: {script: [(update, accuracy), ...] per seed}."""
+    runs, text = {}, read("smollm2_hf_scripts.txt") + read("smollm2_hf_tba.txt")
+    for script, seed, curve in re.findall(r"^(\w+) seed (\d) .*?: (\[.*\])$", text, re.M):
         runs.setdefault(script, {})[int(seed)] = ast.literal_eval(curve)
     return runs
 
 
 def smollm2_recipe():
     """The recipe's summary: each algorithm's `*_vllm.py` in both modes (async_speedup.py's outputs) and its
-    HF-generation sibling (smollm2_hf_scripts.txt), 'mean (seed 1, seed 2)' of the final accuracy."""
+    HF-generation sibling (smollm2_hf_*.txt), 'mean (seed 1, seed 2)' of the final accuracy."""
     # The outputs' names: async_speedup_smollm2_<name>_lr1e-5.txt and <name> in smollm2_hf_scripts.txt.
     names = {"RLOO": "rloo", "online DPO": "online_dpo", "PPO": "ppo", "best of 4 (`bok`)": "bok", "GRPO": "grpo",
-             "DAPO (`grpo --loss-type dapo --cliprange-high 0.28`, beta 0.04, before DAPO's defaults)": "dapo"}
+             "DAPO (`grpo --loss-type dapo --cliprange-high 0.28`, beta 0.04, before DAPO's defaults)": "dapo",
+             "TBA": "tba"}
     hf = hf_scripts()
 
     def vllm(name):
@@ -199,6 +200,26 @@ def tiny_defaults():
     return lambda label, column: columns[column](outputs[label])
 
 
+def default_runs():
+    """The default-run table: default_runs.txt's part per script, its evaluations at updates 300 and 1000."""
+    outputs = {}
+    for part in read("default_runs.txt").strip().split("\n\n")[1:]:  # [0]: the command
+        name, seconds = re.search(r"^(\w+\.py): ([\d.]+) s in all", part, re.M).groups()
+        lines = [line.split() for line in part.splitlines() if line.startswith("  ")]
+        rows = {row[0]: dict(zip(lines[0], row)) for row in lines[1:] if row[0].isdigit()}
+        outputs[f"`{name}`"] = rows, int(rounded(seconds, 0))
+
+    def kl(row):
+        return rounded(row["pairs/kl"] if "pairs/kl" in row else row["objective/kl"], 1)
+    columns = {
+        "gold at 19,200 episodes": lambda rows, _: rounded(rows["300"]["eval/gold_scores"], 3),
+        "gold at 64,000": lambda rows, _: rounded(rows["1000"]["eval/gold_scores"], 3),
+        "KL at the end": lambda rows, _: kl(rows["1000"]),
+        "wall clock (the process)": lambda _, seconds: f"{seconds // 60} min {seconds % 60} s",
+    }
+    return lambda label, column: columns[column](*outputs[label])
+
+
 def math_task():
     """The math task's table (3 seeds, 288 test problems): one part of the output per script."""
     parts = re.split(r"\n\n(?=running )", read("async_speedup_math.txt"))
@@ -236,6 +257,7 @@ CHECKED = {
     ("algorithm", "K = 0 (sync)"): lambda: tiny_csv("tiny_async.csv", "k"),
     ("script", "throughput speed-up"): math_task,
     ("script", "sync loop"): tiny_defaults,
+    ("script", "gold at 19,200 episodes"): default_runs,
     ("algorithm", "`*_vllm.py --sync`"): smollm2_recipe,
     ("script, 10 updates", "greedy test accuracy, seed 1 (start -> update 5 -> 10)"): smollm2_lr3e6,
     ("`rloo_vllm.py`, lr 1e-5, 10 updates", "final accuracy, seed 1, seed 2"):
@@ -256,7 +278,6 @@ UNCHECKED = {
     ("", "paper (TL;DR, Pythia 2.8b, 4 x A100)"):
         "the paper's figures beside ours in words; ours are the speed-up tables below it",
     ("script, settings", "sync loop"): "no stored output: needs a rerun of the async_speedup.py commands above it",
-    ("script", "gold at 19,200 episodes"): "no stored output (taken from each script's doc): needs each default run",
 }
 
 
