@@ -2,7 +2,7 @@
 at every evaluation, the held-out greedy scores with the run's KL and the script's own diagnostic at that update.
 docs/results.md's default-run table and each script's "Results on the tiny task" come from this output.
 
-    python benchmark/default_runs.py | tee benchmark/results/default_runs.txt        # about 25 min on 2 cores
+    python benchmark/default_runs.py | tee benchmark/results/default_runs.txt        # about 45 min on 2 cores
     python benchmark/default_runs.py --scripts rloo ppo
 """
 
