@@ -1,7 +1,8 @@
-"""docs/results.md's tables against the stored outputs they come from (benchmark/results/): every numeric cell is
-recomputed from its output file and rounded as the doc rounds, so a rerun that changes a number fails the doc's row
-until the doc is updated. Every table of the doc is checked or listed in UNCHECKED with the reason. (README.md's
-tables list scripts and modules; its measured figures are in sentences, which this test does not read.)"""
+"""The tables of docs/results.md and docs/performance.md against the stored outputs they come from
+(benchmark/results/): every numeric cell is recomputed from its output file and rounded as the doc rounds, so a rerun
+that changes a number fails the doc's row until the doc is updated. Every table of a doc is checked or listed in
+UNCHECKED with the reason. (README.md's tables list scripts and modules; its measured figures are in sentences, which
+this test does not read.)"""
 
 import ast
 import csv
@@ -13,7 +14,6 @@ from fractions import Fraction
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DOC = os.path.join(ROOT, "docs", "results.md")
 RESULTS = os.path.join(ROOT, "benchmark", "results")
 
 
@@ -35,10 +35,10 @@ def signed(value, places):
     return text if text.startswith("-") else "+" + text
 
 
-def doc_tables():
-    """Every table of the doc: (its header's cells, {row label: the row's cells}), in order."""
+def doc_tables(doc):
+    """Every table of docs/`doc`: (its header's cells, {row label: the row's cells}), in order."""
     tables, block = [], []
-    with open(DOC) as f:
+    with open(os.path.join(ROOT, "docs", doc)) as f:
         for line in [*f, ""]:
             line = line.strip()
             if line.startswith("|") and line.endswith("|"):
@@ -292,18 +292,84 @@ UNCHECKED = {
 }
 
 
-def test_every_table_of_results_md_is_checked_or_listed_with_a_reason():
-    keys = [tuple(header[:2]) for header, _ in doc_tables()]
-    assert [key for key in keys if key not in CHECKED and key not in UNCHECKED] == []
+# --- docs/performance.md: throughput.py's and weight_sync.py's outputs ---
+
+def throughput_rows(text):
+    """{system: {column: the printed figure}} of each table a throughput.py output prints (fixed-width columns)."""
+    widths = [("eps min", 9), ("median", 9), ("x TRL", 7), ("", 3), ("gen", 6), ("wait", 6), ("score", 6),
+              ("train", 6), ("sync", 6), ("", 3), ("train GFLOP/s", 13), ("of peak", 8)]
+    rows = {}
+    for line in text.splitlines():
+        if re.match(r"^(\S+\.py|trl \w+) {2,}[\d.]", line):
+            start, row = 22, {}
+            for name, width in widths:
+                row[name] = line[start:start + width].strip()
+                start += width
+            rows[line[:22].strip()] = row
+    return rows
+
+
+def throughput():
+    """The throughput table: throughput_tiny_fp32.txt, one row per system; HF generation has no wait or sync."""
+    rows = throughput_rows(read("throughput_tiny_fp32.txt"))
+    columns = {"eps min": "eps min", "eps median": "median", "x TRL": "x TRL", "generation s": "gen", "wait s": "wait",
+               "scoring s": "score", "training s": "train", "weight sync s": "sync",
+               "training GFLOP/s": "train GFLOP/s", "of peak": "of peak"}
+
+    def cell(label, column):
+        system = label.strip("`").replace("TRL ", "trl ")
+        value = rows[system][columns[column]]
+        if column in ("wait s", "weight sync s") and "vllm" not in system and value == "0.000":
+            return ""
+        return value.replace("%", " %")
+    return cell
+
+
+def optimisations():
+    """The before/after table: the episodes/s median of each invocation in throughput_optimisations.txt, in order."""
+    runs = {"before": [], "after": []}
+    for when, part in re.findall(r"^## (before|after) \(\d\)\n(.*?)(?=^## |\Z)", read("throughput_optimisations.txt"),
+                                 re.M | re.S):
+        runs[when].append(throughput_rows(part))
+    return lambda label, column: ", ".join(rows[column.split()[0]]["median"] for rows in runs[label])
+
+
+def weight_sync():
+    """The hand-off table: weight_sync.txt's row of each model and dtype, its figures as printed."""
+    rows = {}
+    for line in read("weight_sync.txt").splitlines()[2:]:
+        model, dtype, params, *seconds, learner, total, gap_file, gap_memory = line.split()
+        rows[f"{params[:-1]} M, {dtype}"] = [*(value[:-1] + " s" for value in seconds), learner, total,
+                                             gap_file + " " + gap_memory]
+    names = {name: i for i, name in enumerate(["file: learner", "file: generator", "file: total", "memory: learner",
+                                                "memory: total", "learner speed-up", "total speed-up",
+                                                "log-prob gap file, memory"])}
+    return lambda label, column: rows[label][names[column]]
+
+
+PERFORMANCE_CHECKED = {
+    ("script, fp32", "eps min"): throughput,
+    ("", "rloo.py fp32"): optimisations,
+    ("model (parameters), dtype", "file: learner"): weight_sync,
+}
+DOCS = {"results.md": (CHECKED, UNCHECKED), "performance.md": (PERFORMANCE_CHECKED, {})}
+
+
+@pytest.mark.parametrize("doc", list(DOCS))
+def test_every_table_of_a_doc_is_checked_or_listed_with_a_reason(doc):
+    checked, unchecked = DOCS[doc]
+    keys = [tuple(header[:2]) for header, _ in doc_tables(doc)]
+    assert [key for key in keys if key not in checked and key not in unchecked] == []
     # A renamed header would otherwise leave its table unchecked without a failure.
-    assert [key for key in [*CHECKED, *UNCHECKED] if key not in keys] == []
+    assert [key for key in [*checked, *unchecked] if key not in keys] == []
 
 
-@pytest.mark.parametrize("key", list(CHECKED), ids=[key[0] for key in CHECKED])
-def test_table_cells_equal_their_stored_outputs(key):
-    cell = CHECKED[key]()
+@pytest.mark.parametrize("doc, key", [(doc, key) for doc, (checked, _) in DOCS.items() for key in checked],
+                         ids=[f"{doc}: {key[0] or key[1]}" for doc, (checked, _) in DOCS.items() for key in checked])
+def test_table_cells_equal_their_stored_outputs(doc, key):
+    cell = DOCS[doc][0][key]()
     mismatches, checked = [], 0
-    for header, rows in doc_tables():
+    for header, rows in doc_tables(doc):
         if tuple(header[:2]) != key:
             continue
         for label, row in rows.items():
