@@ -1,11 +1,12 @@
-"""The tables of docs/results.md and docs/performance.md against the stored outputs they come from
-(benchmark/results/): every numeric cell is recomputed from its output file and rounded as the doc rounds, so a rerun
-that changes a number fails the doc's row until the doc is updated. Every table of a doc is checked or listed in
-UNCHECKED with the reason. (README.md's tables list scripts and modules; its measured figures are in sentences, which
+"""The tables of docs/results.md, docs/performance.md and docs/math.md against the stored outputs they come from
+(benchmark/results/; the math asset's build statistics): every numeric cell is recomputed from its output file and
+rounded as the doc rounds, so a rerun that changes a number fails the doc's row until the doc is updated. Every
+table of a doc is checked or listed in UNCHECKED with the reason. (README.md's tables list scripts and modules; its measured figures are in sentences, which
 this test does not read.)"""
 
 import ast
 import csv
+import json
 import os
 import re
 from decimal import ROUND_HALF_UP, Decimal
@@ -347,12 +348,45 @@ def weight_sync():
     return lambda label, column: rows[label][names[column]]
 
 
+# --- docs/math.md: the math task's asset and math_curves.txt ---
+
+def math_sft():
+    """The SFT policy's accuracies, from the asset's build (assets/tiny_math/build_stats.json)."""
+    with open(os.path.join(ROOT, "assets", "tiny_math", "build_stats.json")) as f:
+        stats = json.load(f)
+    keys = {("accuracy, all problems", "greedy"): "sft_greedy_accuracy",
+            ("accuracy, all problems", "sampled at temperature 0.7"): "sft_sampled_accuracy",
+            ("accuracy, the 159 problems with a carry or borrow", "greedy"): "sft_greedy_accuracy_carry",
+            ("accuracy, the 159 problems with a carry or borrow", "sampled at temperature 0.7"):
+                "sft_sampled_accuracy_carry"}
+    return lambda label, column: rounded(repr(stats[keys[label, column]]), 3)
+
+
+def math_curves():
+    """Each script's accuracies at the table's updates and its process's seconds, from math_curves.txt."""
+    runs = {}
+    for line in read("math_curves.txt").splitlines()[1:]:
+        seconds = re.search(r"([\d.]+) s in all", line).group(1)
+        runs[line.split()[0]] = dict(ast.literal_eval(line[line.index("[("):])), seconds
+
+    def cell(label, column):
+        accuracies, seconds = runs[label.split("`")[1]]
+        if column == "wall clock, in all":
+            return f"{rounded(seconds, 0)} s"
+        return rounded(repr(accuracies[int(column)]), 3)
+    return cell
+
+
+MATH_CHECKED = {
+    ("SFT policy on the 288 test problems", "greedy"): math_sft,
+    ("script", "0"): math_curves,
+}
 PERFORMANCE_CHECKED = {
     ("script, fp32", "eps min"): throughput,
     ("", "rloo.py fp32"): optimisations,
     ("model (parameters), dtype", "file: learner"): weight_sync,
 }
-DOCS = {"results.md": (CHECKED, UNCHECKED), "performance.md": (PERFORMANCE_CHECKED, {})}
+DOCS = {"results.md": (CHECKED, UNCHECKED), "performance.md": (PERFORMANCE_CHECKED, {}), "math.md": (MATH_CHECKED, {})}
 
 
 @pytest.mark.parametrize("doc", list(DOCS))

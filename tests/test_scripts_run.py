@@ -100,8 +100,8 @@ def test_help_lists_every_argument_with_its_docstring(warm_runs, script):
 # In 100 updates (this test until session 48) they reached +3.4 to +3.9 and +0.6 to +0.7.
 # Not run in CI, which keeps under 50 minutes: online_dpo.py --loss-type ipo (-0.41 -> 1.37, 0.20 -> 0.51 in 100
 # updates: IPO's fixed target margin holds it back; test_dpo_bok_math.py checks IPO's loss by hand) and grpo.py's
-# other loss types (in 100 updates dr_grpo 3.10, 0.86; dapo and cispo 3.39, 0.92; gspo as grpo: one update per batch,
-# on-policy, is where they meet; test_grpo_math.py checks each loss by hand).
+# other loss types (in 100 updates: benchmark/results/grpo_loss_types_tiny.txt; cispo as dapo and gspo as grpo: one
+# update per batch, on-policy, is where they meet; test_grpo_math.py checks each loss by hand).
 UPDATES = 50
 LEARNING = [  # (in pairs that run side by side: see learning_runs)
     (["rloo.py"], 0.6, 0.1),
