@@ -175,8 +175,7 @@ def loss_defaults(loss_type, response_length):
 def overlong_penalty(responses, stop_token_id, response_length, buffer):
     """DAPO's overlong reward shaping (Yu et al. 2025, eq. 13), added to the score of a response that ends with its stop
     token: 0 up to response_length - buffer tokens (the stop token included), then falling linearly to -1 at
-    response_length. A response without a stop token gets --missing-eos-penalty instead (by default -1 added: the
-    equation's value past the length)."""
+    response_length. A response without a stop token gets --missing-eos-penalty instead (-1 added by default)."""
     is_stop = responses == stop_token_id
     lengths = is_stop.int().argmax(1) + 1
     penalty = ((response_length - buffer - lengths) / max(buffer, 1)).clamp(-1.0, 0.0)
@@ -200,9 +199,8 @@ def merge_groups(parts, k, num_prompts, pad_token_id):
 
 
 def loss_mask(responses, padding_mask, equal, stop_token_id, loss_type, overlong_filter):
-    """The response tokens the loss counts: with dapo, not those of prompts whose k scores are all equal (their
-    advantages are 0 and their tokens would only dilute the mean); with --overlong-filter, not those of responses cut
-    at --response-length (DAPO's overlong filtering)."""
+    """The response tokens the loss counts: with dapo, not those of prompts whose k scores are all equal (advantages 0:
+    their tokens would only dilute the mean); with --overlong-filter, not those of responses cut at --response-length."""
     mask = ~padding_mask
     if loss_type == "dapo":
         mask &= ~equal.unsqueeze(1)
@@ -215,7 +213,6 @@ def group_advantages(scores, k, scale=True):
     """Each response's score minus the mean score of its group (the k responses to its prompt), divided by the group's
     standard deviation (+ 1e-4) when `scale` (not in Dr. GRPO: it weights prompts that are nearly always solved, or
     nearly never, above the others); also, per response, whether its group's scores are all equal (advantages 0).
-
     `scores` holds k blocks of the same prompts: index j * num_prompts + i is sample j of prompt i."""
     scores = scores.view(k, -1)
     advantages = scores - scores.mean(0, keepdim=True)

@@ -1,19 +1,15 @@
 """Asynchronous GRPO and its variants: vLLM generates the next batch while the learner trains on this one.
 
-The algorithm is grpo.py's: for every prompt the policy samples a group of k responses, a reward model or a rule
-scores them, a response's advantage is its score minus the group's mean (divided by the group's standard deviation
-but in Dr. GRPO), and `--loss-type` chooses the objective: `grpo` (Shao et al. 2024), `dr_grpo` (Liu et al. 2025),
-`dapo` (Yu et al. 2025), `gspo` (Zheng et al. 2025) or `cispo` (MiniMax 2025), each written out in
-grpo_policy_loss(), the KL to the frozen SFT reference in the loss (`beta`). What changes is who generates and when
-(Noukhovitch et al. 2025, "Asynchronous RLHF", arXiv 2410.18252): a vLLM engine on rank 0, in its own process and on
-its own device, generates batch t+1 with the policy's weights of K updates ago while the learner trains on batch t;
-after each update the learner hands its weights to vLLM. `--sync` makes it on-policy.
-
-Off-policy correction: vLLM returns the log-probability of every sampled token under the weights that sampled it
-(the behaviour policy). The clipped ratio is taken against the learner's own log-probabilities before the update
-(the proximal policy), and each token's term of the loss is weighted by its truncated importance weight
-min(pi_prox / pi_behaviour, --is-cap), which corrects for the K updates of staleness and for the numerical
-differences between vLLM and the learner.
+The algorithm is grpo.py's: the policy samples a group of k responses per prompt, a reward model or a rule scores them,
+a response's advantage is its score minus its group's mean (divided by the group's standard deviation but in Dr. GRPO),
+and `--loss-type` chooses the objective, each written out in grpo_policy_loss(): `grpo` (Shao et al. 2024), `dr_grpo`
+(Liu et al. 2025), `dapo` (Yu et al. 2025), `gspo` (Zheng et al. 2025) or `cispo` (MiniMax 2025), with the KL to the
+frozen SFT reference in the loss (`beta`). Asynchronously (Noukhovitch et al. 2025, arXiv 2410.18252): vLLM, on rank 0
+in its own process and device, generates batch t+1 with the weights of K updates ago while the learner trains on batch
+t, then gets the new weights (`--sync`: on-policy). Off-policy correction: the clipped ratio is taken against the
+learner's log-probabilities before the update (the proximal policy), and each token's term of the loss is weighted by
+min(pi_prox / pi_behaviour, --is-cap), pi_behaviour being vLLM's probability of the token under the weights that
+sampled it: for K updates of staleness and vLLM's numerical differences.
 
     python grpo_vllm.py                                # the offline tiny task, vLLM on a CPU core
     python grpo_vllm.py --sync                         # the same, on-policy
@@ -198,8 +194,7 @@ def loss_defaults(loss_type, response_length):
 def overlong_penalty(responses, stop_token_id, response_length, buffer):
     """DAPO's overlong reward shaping (Yu et al. 2025, eq. 13), added to the score of a response that ends with its stop
     token: 0 up to response_length - buffer tokens (the stop token included), then falling linearly to -1 at
-    response_length. A response without a stop token gets --missing-eos-penalty instead (by default -1 added: the
-    equation's value past the length)."""
+    response_length. A response without a stop token gets --missing-eos-penalty instead (-1 added by default)."""
     is_stop = responses == stop_token_id
     lengths = is_stop.int().argmax(1) + 1
     penalty = ((response_length - buffer - lengths) / max(buffer, 1)).clamp(-1.0, 0.0)
@@ -207,9 +202,8 @@ def overlong_penalty(responses, stop_token_id, response_length, buffer):
 
 
 def loss_mask(responses, padding_mask, equal, stop_token_id, loss_type, overlong_filter):
-    """The response tokens the loss counts: with dapo, not those of prompts whose k scores are all equal (their
-    advantages are 0 and their tokens would only dilute the mean); with --overlong-filter, not those of responses cut
-    at --response-length (DAPO's overlong filtering)."""
+    """The response tokens the loss counts: with dapo, not those of prompts whose k scores are all equal (advantages 0:
+    their tokens would only dilute the mean); with --overlong-filter, not those of responses cut at --response-length."""
     mask = ~padding_mask
     if loss_type == "dapo":
         mask &= ~equal.unsqueeze(1)
@@ -222,7 +216,6 @@ def group_advantages(scores, k, scale=True):
     """Each response's score minus the mean score of its group (the k responses to its prompt), divided by the group's
     standard deviation (+ 1e-4) when `scale` (not in Dr. GRPO: it weights prompts that are nearly always solved, or
     nearly never, above the others); also, per response, whether its group's scores are all equal (advantages 0).
-
     `scores` holds k blocks of the same prompts: index j * num_prompts + i is sample j of prompt i."""
     scores = scores.view(k, -1)
     advantages = scores - scores.mean(0, keepdim=True)
@@ -233,13 +226,12 @@ def group_advantages(scores, k, scale=True):
 
 def grpo_policy_loss(new_logprobs, old_logprobs, ref_logprobs, advantages, mask, loss_type, cliprange_low,
                      cliprange_high, beta, response_length, mean_tokens, is_weights):
-    """The loss of one micro-batch by --loss-type, from per-token log-probabilities (B x T; `mask` marks response
-    tokens) under the policy, the proximal policy (`old_logprobs`: the policy before this update) and the reference.
-    `mean_tokens`: the mean count of response tokens in a micro-batch of this mini-batch on every rank, so that
-    DAPO's and CISPO's mean is over the tokens of the whole mini-batch. Each token's policy term is weighted by its
-    importance weight (the off-policy correction), not its KL term, as in TRL: the pull towards the reference acts on
-    every token of the batch, masked ones too. Returns (loss, and per token: the log-ratio to the proximal policy,
-    the ratio used (GSPO: its response's), whether the ratio was clipped)."""
+    """The loss of one micro-batch by --loss-type, from per-token log-probabilities (B x T, `mask`: response tokens) under
+    the policy, the proximal policy (`old_logprobs`: before this update) and the reference; `mean_tokens`: the mean count
+    of response tokens per micro-batch of this mini-batch on every rank (DAPO's and CISPO's mean is the mini-batch's).
+    Only each token's policy term is weighted by its importance weight (the off-policy correction), as in TRL: the KL
+    term pulls every token, masked ones too. Returns (loss, and per token: the log-ratio to the proximal policy, the
+    ratio used (GSPO: its response's), whether it was clipped)."""
     log_ratio = (new_logprobs - old_logprobs) * mask
     if loss_type == "gspo":  # one ratio per response: exp of the mean of its tokens' log-ratios
         ratio = torch.exp(log_ratio.sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1)).expand_as(mask)
@@ -309,8 +301,7 @@ def proximal_mean(values, proximal_logprobs, behaviour_logprobs, mask):
 
 
 def main(args):
-    """The run: set-up (distributed, data, models and their DeepSpeed engines, vLLM and its generator thread on rank 0,
-    the run directory), then the loop, whose numbered steps are the algorithm."""
+    """The run: set-up (distributed, data, models, DeepSpeed, vLLM and its generator on rank 0), then the loop."""
     args.world_size = int(os.environ.get("WORLD_SIZE", "1"))
     validate(args)
     rank, device = set_up_distributed(args)
