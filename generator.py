@@ -1,7 +1,8 @@
-"""Asynchronous generation for the *_vllm.py scripts: vLLM on rank 0, fed by a background thread that generates
-batch t with the policy version the schedule names (generating_version: K updates behind), while the learner trains.
-Batches the thread generated but the learner has not trained on go into checkpoints, so a resumed run is exact.
-Nothing here changes what is learned: the script passes its sampling request (vllm_generate)."""
+"""The asynchrony of the *_vllm.py scripts as one object, AsyncGeneration: vLLM on rank 0, fed by a background thread
+that generates each batch with the policy version the script's schedule names, while the learner trains; after each
+update the weights handed to vLLM (weight_handoff.py) and, when --check-weights-every says, checked there; the batches
+generated but not yet trained on kept in checkpoints, so a resumed run is exact. Nothing here changes what is learned:
+the script passes its schedule (generating_version: the paper's K) and its sampling request (vllm_generate)."""
 
 import atexit
 import collections
@@ -21,79 +22,130 @@ import torch
 import torch.distributed as dist
 from transformers import AutoTokenizer
 
+from checkpoints import latest_checkpoint
 from data import prompt_batch
 from vllm_engine import (engine_dead, in_memory_backend, load_into_vllm, pin_vllm_to_its_cores, shut_down, start_vllm,
                          vllm_gpu, wait_for)
 from weight_handoff import (VllmClient, WeightsDiffer, check_vllm_weights, expected_weights, save_for_vllm,
-                            vllm_digests, weight_transfer, weights_root)
+                            send_weights, vllm_digests, weight_transfer, weights_root)
 
 
-def generating_version(update, first_version, off_policy_steps):
-    """The policy version that generates batch `update` (version v is the policy after v updates): the one
-    off_policy_steps (K) updates before the version that trains on it, never one before the run started."""
-    return max(first_version, update - 1 - off_policy_steps)
+class AsyncGeneration:
+    """The generation side of an asynchronous run, on every rank: made once in the set-up, then get() takes each
+    update's batch (step 1), hand_over() gives vLLM the new weights (step 5), checkpoint_files() is what a checkpoint
+    keeps of it, close() ends it (also at exit, on every way out).
 
+    On rank 0, vLLM starts from the learner's weights (version start_update: the SFT policy or the resumed one), then a
+    GenerationThread generates batch t with version schedule(t, start_update, off_policy_steps). Later versions go in
+    memory (--weight-sync memory) or through save_pretrained directories, in /dev/shm if it has room for the K + 1
+    versions that can be in flight at once, else in the run directory, each deleted once loaded; rank 0's process id
+    keeps two runs of one name (a sweep) apart. `sample` is the script's sampling request (vllm_generate); `probe`,
+    token lists whose log-probabilities the weight check compares."""
 
-def start_generation(args, policy, run_name, run_dir, rank, device, tokenizer, train_prompts, probe, stop_id,
-                     prompts_per_rank, k, start_update, resumed_batches, vllm_generate):
-    """On rank 0, vLLM started from the learner's weights (version start_update: the SFT policy or the resumed one) in a
-    save_pretrained directory, and its generator thread; on every rank, the weight check's first pass and the in-memory
-    hand-off. Later versions go in memory (--weight-sync memory) or through such directories, in /dev/shm if it has room
-    for the K + 1 versions that can be in flight at once, else in the run directory, each deleted once loaded; rank 0's
-    process id keeps two runs of one name (a sweep) apart. Returns (rank 0's GenerationThread, else None; the in-memory
-    hand-off, weight_transfer(), or None with --weight-sync file; the versions' directory; the parameters the weight
-    check digests, None: all). `vllm_generate` is the script's sampling request."""
-    off_policy_steps = 0 if args.sync else args.off_policy_steps  # K
-    if args.weight_sync == "memory":  # rank 0 (vLLM's) decides: CUDA IPC leaks with several training ranks
-        shared = vllm_gpu(args)[1] if rank == 0 and torch.cuda.is_available() else None
-        backend = [in_memory_backend(shared, args.world_size)]
-        dist.broadcast_object_list(backend, src=0)
-        if backend[0] is None:
-            args.weight_sync = "file"
-            if rank == 0:
-                print(f"vLLM shares rank 0's GPU with {args.world_size} training ranks: the weights go through files "
-                      "(--weight-sync file); vLLM's CUDA IPC hand-off would strand a buffer on every other rank "
-                      "at every update", flush=True)
-    version_bytes = sum(getattr(p, "ds_numel", p.numel()) for p in policy.module.parameters()) * (2 if args.bf16 else 4)
-    copies = off_policy_steps + 1 if args.weight_sync == "file" else 1
-    root = weights_root(run_dir, copies * version_bytes) if rank == 0 else run_dir  # only rank 0 writes
-    weights_dir = os.path.join(root, f"{run_name}-{os.getpid()}-weights")
-    exit_on_signals()
-    atexit.register(shutil.rmtree, weights_dir, ignore_errors=True)
-    first = os.path.join(weights_dir, f"policy-{start_update}")
-    save_for_vllm(policy, first)
-    llm = generator = None
-    if rank == 0:
-        AutoTokenizer.from_pretrained(args.sft_model_path, trust_remote_code=args.trust_remote_code).save_pretrained(first)
-        largest = max(getattr(p, "ds_numel", p.numel()) * p.element_size() for p in policy.module.parameters())
-        llm = start_vllm(args, first, args.weight_sync == "memory", largest)
-        shutil.rmtree(first)
-        generator = GenerationThread(args, llm, vllm_generate, weights_dir=weights_dir, train_prompts=train_prompts,
-                              prompts_per_rank=prompts_per_rank, k=k, stop_id=stop_id, first_version=start_update,
-                              off_policy_steps=off_policy_steps, probe=probe, resumed_batches=resumed_batches)
-        atexit.register(generator.close)  # on every way out: the end, an error, Ctrl-C, SIGTERM
-    # The weight check (--check-weights-every): vLLM's log-probabilities of the probe against the learner's, and the
-    # digests of the tensors vLLM keeps as the learner does (found now: on a GPU every one, the fused q/k/v and gate/up
-    # included, weight_handoff.FUSED; on a CPU vLLM repacks its linear layers, so embeddings and norms), first here,
-    # then after hand-offs.
-    checked_names = [None]
-    if args.check_weights_every:
-        expected = expected_weights(policy, probe, None, tokenizer.pad_token_id, device)
-        if rank == 0:
-            digests = vllm_digests(llm)
-            checked_names = [sorted(n for n, d in expected.digests.items() if digests.get(n) == d)]
+    def __init__(self, args, policy, run_dir, tokenizer, stop_id, train_prompts, probe, k, start_update,
+                 off_policy_steps, schedule, sample):
+        self.args, self.probe, self.pad_id = args, probe, tokenizer.pad_token_id
+        self.first_version, self.off_policy_steps, self.schedule = start_update, off_policy_steps, schedule
+        self.rank, self.thread = dist.get_rank(), None
+        self.in_memory = args.weight_sync == "memory"
+        if self.in_memory:  # rank 0 (vLLM's) decides: CUDA IPC leaks with several training ranks
+            shared = vllm_gpu(args)[1] if self.rank == 0 and torch.cuda.is_available() else None
+            backend = [in_memory_backend(shared, args.world_size)]
+            dist.broadcast_object_list(backend, src=0)
+            if backend[0] is None:
+                self.in_memory = False
+                if self.rank == 0:
+                    print(f"vLLM shares rank 0's GPU with {args.world_size} training ranks: the weights go through "
+                          "files (--weight-sync file); vLLM's CUDA IPC hand-off would strand a buffer on every other "
+                          "rank at every update", flush=True)
+        version_bytes = sum(getattr(p, "ds_numel", p.numel()) for p in policy.module.parameters()) * (2 if args.bf16 else 4)
+        copies = 1 if self.in_memory else off_policy_steps + 1
+        root = weights_root(run_dir, copies * version_bytes) if self.rank == 0 else run_dir  # only rank 0 writes
+        self.weights_dir = os.path.join(root, f"{os.path.basename(run_dir)}-{os.getpid()}-weights")
+        exit_on_signals()
+        atexit.register(shutil.rmtree, self.weights_dir, ignore_errors=True)
+        first = os.path.join(self.weights_dir, f"policy-{start_update}")
+        save_for_vllm(policy, first)
+        llm = None
+        if self.rank == 0:
+            AutoTokenizer.from_pretrained(args.sft_model_path, trust_remote_code=args.trust_remote_code).save_pretrained(first)
+            largest = max(getattr(p, "ds_numel", p.numel()) * p.element_size() for p in policy.module.parameters())
+            llm = start_vllm(args, first, self.in_memory, largest)
+            shutil.rmtree(first)
+            resumed = load_generated_batches(latest_checkpoint(args.resume)) if args.resume else []
+            self.thread = GenerationThread(args, llm, sample, schedule, weights_dir=self.weights_dir,
+                                           train_prompts=train_prompts, prompts_per_rank=args.local_batch_size // k,
+                                           k=k, stop_id=stop_id, first_version=start_update,
+                                           off_policy_steps=off_policy_steps, probe=probe, in_memory=self.in_memory,
+                                           resumed_batches=resumed)
+            atexit.register(self.thread.close)  # on every way out: the end, an error, Ctrl-C, SIGTERM
+        # The weight check (--check-weights-every): vLLM's log-probabilities of the probe against the learner's, and the
+        # digests of the tensors vLLM keeps as the learner does (found now: on a GPU every one, the fused q/k/v and
+        # gate/up included, weight_handoff.FUSED; on a CPU vLLM repacks its linear layers, so embeddings and norms),
+        # first here, then after hand-offs.
+        checked_names = [None]
+        if args.check_weights_every:
+            expected = expected_weights(policy, probe, None, self.pad_id, policy.device)
+            if self.rank == 0:
+                digests = vllm_digests(llm)
+                checked_names = [sorted(n for n, d in expected.digests.items() if digests.get(n) == d)]
+                try:
+                    check_vllm_weights(llm, start_update, probe, expected._replace(
+                        digests={n: expected.digests[n] for n in checked_names[0]}), args.bf16)
+                except WeightsDiffer as error:
+                    sys.exit(f"error: {error}")
+            dist.broadcast_object_list(checked_names, src=0)
+        self.checked_names = checked_names[0]
+        # The in-memory hand-off connects before the generator starts: then only its thread uses vLLM (but while it
+        # waits for weights, see GenerationThread.wait_for_receiver()).
+        self.transfer = weight_transfer(args, llm, policy.module, self.rank) if self.in_memory else None
+        if self.rank == 0:
+            self.thread.start()
+
+    def get(self):
+        """The next update's GeneratedBatch, on every rank (rank 0's thread generated it; each rank takes its share)."""
+        batch = [self.thread.get() if self.rank == 0 else None]
+        dist.broadcast_object_list(batch, src=0)
+        return batch[0]
+
+    def hand_over(self, policy, update):
+        """Give vLLM the policy after `update` updates if the schedule has a later batch generated by it (every rank
+        calls this): in memory, or as a save_pretrained directory the generator loads; at the updates the weight check
+        is due (the first hand-off, then every --check-weights-every), the generator then checks vLLM's weights.
+        Returns the seconds waited for the generator to finish older policies' batches."""
+        args = self.args
+        if self.schedule(args.num_updates, self.first_version, self.off_policy_steps) < update:
+            return 0.0
+        check = args.check_weights_every and (update == self.first_version + 1 or update % args.check_weights_every == 0)
+        expected = expected_weights(policy, self.probe, self.checked_names, self.pad_id, policy.device) if check else None
+        path, waited = None, 0.0
+        if not self.in_memory:
+            path = os.path.join(self.weights_dir, f"policy-{update}")
+            save_for_vllm(policy, path)
+        else:
+            if self.thread is not None:  # vLLM's weights change between batches only, when the generator wants them
+                start = time.time()
+                self.thread.wait_for_receiver(update)
+                waited = time.time() - start
             try:
-                check_vllm_weights(llm, start_update, probe,
-                                   expected._replace(digests={n: expected.digests[n] for n in checked_names[0]}), args.bf16)
-            except WeightsDiffer as error:
-                sys.exit(f"error: {error}")
-        dist.broadcast_object_list(checked_names, src=0)
-    # The in-memory hand-off connects before the generator starts: then only its thread uses vLLM (but while it waits
-    # for weights, see wait_for_receiver()).
-    memory_transfer = weight_transfer(args, llm, policy.module, rank) if args.weight_sync == "memory" else None
-    if rank == 0:
-        generator.start()
-    return generator, memory_transfer, weights_dir, checked_names[0]
+                send_weights(self.transfer, update)
+            except RuntimeError:
+                if self.thread is not None:  # the likeliest cause: vLLM's engine died ("the generator failed: ...")
+                    self.thread.raise_if_failed()
+                raise
+        if self.thread is not None:
+            self.thread.publish(update, path, finish=getattr(self.transfer, "finish", None), expected=expected)
+        return waited
+
+    def checkpoint_files(self, update):
+        """What a checkpoint at `update` keeps: the batches already generated for the next K updates (by policies
+        older than its own), which a resumed run trains on as this one will, so that it resumes exactly."""
+        ahead = self.thread.peek(min(self.off_policy_steps, self.args.num_updates - update)) if self.rank == 0 else []
+        return {GENERATED_BATCHES: [batch._asdict() for batch in ahead]}
+
+    def close(self):
+        if self.thread is not None:
+            self.thread.close()
 
 
 class GeneratedBatch(NamedTuple):
@@ -121,15 +173,16 @@ def load_generated_batches(checkpoint):
 
 class GenerationThread:
     """vLLM on rank 0, generating in a background thread while the learner trains: the engine runs in its own process,
-    so generation and training overlap; this thread only feeds it, each batch with the version generating_version()
-    names, which it waits for. The learner hands every version over with publish() (in memory: sending it while the
+    so generation and training overlap; this thread only feeds it, each batch with the version the script's schedule
+    names, which it waits for. AsyncGeneration hands it every version with publish() (in memory: sending it while the
     generator waits, see wait_for_receiver()) and takes the batches, in order, with get(). Every wait is bounded by
     --generation-timeout; a generator error or vLLM's engine dying is raised in the learner."""
 
-    def __init__(self, args, llm, vllm_generate, *, weights_dir, train_prompts, prompts_per_rank, k, stop_id, first_version,
-                 off_policy_steps, probe, resumed_batches=()):
+    def __init__(self, args, llm, vllm_generate, schedule, *, weights_dir, train_prompts, prompts_per_rank, k, stop_id,
+                 first_version, off_policy_steps, probe, in_memory, resumed_batches=()):
         self.args, self.llm, self.weights_dir, self.stop_id, self.probe = args, llm, weights_dir, stop_id, probe
-        self.vllm_generate = vllm_generate  # the script's sampling request
+        self.vllm_generate, self.schedule = vllm_generate, schedule  # the script's sampling request and schedule
+        self.in_memory = in_memory
         self.train_prompts, self.prompts_per_rank, self.k = train_prompts, prompts_per_rank, k
         self.first_version, self.off_policy_steps = first_version, off_policy_steps
         self.batches, self.versions, self.receivers = queue.Queue(), queue.Queue(), queue.Queue()
@@ -170,7 +223,7 @@ class GenerationThread:
     def close(self):
         """Stop the thread and the engine and delete the handed-over weights (safe to call twice)."""
         self.stopping.set()
-        if self.args.weight_sync == "memory" and not engine_dead(self.llm):
+        if self.in_memory and not engine_dead(self.llm):
             with contextlib.suppress(Exception):  # else vLLM's worker, holding the connection, exits 10 s later
                 VllmClient(self.llm, timeout=5).call("shutdown_weight_transfer_engine")
         shut_down(self.llm)
@@ -203,7 +256,7 @@ class GenerationThread:
             loaded = self.first_version
             for update in range(self.first_update, args.num_updates + 1):
                 t0 = time.time()
-                while loaded < generating_version(update, self.first_version, self.off_policy_steps):
+                while loaded < self.schedule(update, self.first_version, self.off_policy_steps):
                     self.receivers.put(loaded + 1)  # for wait_for_receiver(): vLLM is idle until the next version
                     # No deadline: the next version comes after the learner's update, evaluation and checkpoint,
                     # however long they take; the learner's own waits are bounded, and its stopping ends this one.

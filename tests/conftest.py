@@ -1,5 +1,7 @@
-"""Helpers shared by the tests: run a script as a user would, read what the run wrote."""
+"""Helpers shared by the tests: the scripts (found by their shape) and the modules, run a script as a user would,
+read what the run wrote."""
 
+import ast
 import glob
 import json
 import math
@@ -23,6 +25,45 @@ os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [CPU_WEIGHT_TRANSFER, os
 
 SMOLLM2 = os.path.join(ROOT, "assets", "smollm2")
 
+# The scripts the repository ships: the one list of them, for what only they must meet (their repeated RLHF details
+# identical, their arguments' docstrings alike, the runs that test each). Every other test finds scripts by their shape.
+SHIPPED = ["rloo.py", "online_dpo.py", "bok.py", "ppo.py", "grpo.py", "tba.py", "rloo_vllm.py", "online_dpo_vllm.py",
+           "bok_vllm.py", "ppo_vllm.py", "grpo_vllm.py", "tba_vllm.py", "evaluate.py"]
+ALGORITHM_BANNER = "# The algorithm: "  # opens the algorithm's own functions in every algorithm script
+
+
+def definitions(path):
+    """{name: (node, source)} of the top-level functions, classes and assignments of a file (relative to ROOT)."""
+    with open(os.path.join(ROOT, path)) as f:
+        source = f.read()
+    lines = source.splitlines()
+    found = {}
+    for node in ast.parse(source).body:
+        if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+            name = node.name
+        elif isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Name):
+            name = node.targets[0].id
+        else:
+            continue
+        start = min([d.lineno for d in getattr(node, "decorator_list", [])] + [node.lineno]) - 1
+        found[name] = (node, "\n".join(lines[start: node.end_lineno]))
+    return found
+
+
+def is_script(path):
+    """A script, by its shape: an `Args` dataclass and `main(args)` at the top level."""
+    found = definitions(path)
+    args, main = found.get("Args", (None,))[0], found.get("main", (None,))[0]
+    return (isinstance(args, ast.ClassDef) and any("dataclass" in ast.unparse(d) for d in args.decorator_list)
+            and isinstance(main, ast.FunctionDef) and [a.arg for a in main.args.args] == ["args"])
+
+
+TOP_LEVEL = sorted(os.path.basename(p) for p in glob.glob(os.path.join(ROOT, "*.py")))
+SCRIPTS = [name for name in TOP_LEVEL if is_script(name)]  # the shipped ones and any a researcher adds
+MODULES = [name for name in TOP_LEVEL if name not in SCRIPTS]
+# Algorithm scripts (not evaluate.py and its copies): those with the algorithm's banner.
+ALGORITHMS = [name for name in SCRIPTS if ALGORITHM_BANNER in open(os.path.join(ROOT, name)).read()]
+
 
 @pytest.fixture(scope="session")
 def smollm2():
@@ -40,10 +81,10 @@ def pytest_configure(config):
 TIMING_KEYS = ("time/",)
 
 
-def run(command, timeout=600, env=None, check=True):
-    """Run a command from the repository root; fail the test with its output if it fails."""
+def run(command, timeout=600, env=None, check=True, cwd=ROOT):
+    """Run a command from the repository root (or `cwd`); fail the test with its output if it fails."""
     full_env = {**os.environ, "WANDB_MODE": "offline", "TOKENIZERS_PARALLELISM": "false", **(env or {})}
-    result = subprocess.run(command, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout)
+    result = subprocess.run(command, cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout)
     if check and result.returncode != 0:
         pytest.fail(f"{' '.join(command)} exited {result.returncode}\n{result.stdout[-4000:]}\n{result.stderr[-4000:]}")
     return result

@@ -5,11 +5,15 @@ import math
 import os
 
 import pytest
+import typing
+
 import torch
 
 import grpo
 import grpo_vllm
 from conftest import algorithm_metrics, assert_bad_input_result, read_metrics, run_dir_of, run_script
+
+LOSS_TYPES = typing.get_args(grpo.Args.__dataclass_fields__["loss_type"].type)  # --loss-type's choices
 
 # Two responses (rows) of up to three tokens; the second token of row 0 is padding, which must count for nothing
 # even with absurd log-probabilities there. Per-token log-ratios to the proximal policy, by hand:
@@ -123,13 +127,13 @@ def test_a_group_of_equal_scores_adds_nothing_but_a_kl_term():
     assert equal.all() and not advantages.any()
     new = torch.tensor([[-1.0, -2.0], [-0.5, -0.7], [-3.0, -0.1]]).requires_grad_(True)
     old = new.detach() - 0.3
-    for loss_type in grpo.LOSS_TYPES:
+    for loss_type in LOSS_TYPES:
         loss = grpo.grpo_policy_loss(new, old, old, advantages, torch.ones(3, 2, dtype=torch.bool), loss_type,
                                      0.2, 0.2, 0.0, 2, 6.0)[0]
         assert loss.item() == 0.0, loss_type
 
 
-@pytest.mark.parametrize("loss_type", grpo.LOSS_TYPES)
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
 def test_every_loss_type_equals_trls_grpo_trainer(loss_type):
     """The same loss computed by TRL 1.16's GRPOTrainer._compute_loss on the same log-probabilities (its `self` a stub
     holding the settings it reads). TRL's names: GSPO is loss_type "grpo" with importance_sampling_level "sequence";
@@ -176,7 +180,7 @@ PAPERS = {"grpo": (0.04, 0.2, 0.2, 0, 0), "dr_grpo": (0.0, 0.2, 0.2, 0, 0), "dap
           "gspo": (0.0, 3e-4, 4e-4, 0, 0), "cispo": (0.0, None, 4.0, 0, 0)}
 
 
-@pytest.mark.parametrize("loss_type", grpo.LOSS_TYPES)
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
 @pytest.mark.parametrize("module", [grpo, grpo_vllm], ids=["grpo.py", "grpo_vllm.py"])
 def test_a_bare_loss_type_runs_its_papers_settings_and_a_value_passed_wins(module, loss_type):
     args = module.Args(loss_type=loss_type)

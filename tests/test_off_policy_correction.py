@@ -2,6 +2,7 @@
 importance weights, their effective sample size, the mismatch KL, and the weighted losses."""
 
 import math
+import typing
 
 import pytest
 import torch
@@ -12,6 +13,8 @@ import ppo
 import ppo_vllm
 import rloo
 import rloo_vllm
+
+LOSS_TYPES = typing.get_args(grpo.Args.__dataclass_fields__["loss_type"].type)  # --loss-type's choices
 
 
 @pytest.mark.parametrize("script", [rloo_vllm, ppo_vllm, grpo_vllm])
@@ -142,7 +145,7 @@ def test_with_weights_of_one_the_losses_are_the_synchronous_scripts():
     b = ppo_vllm.ppo_policy_loss(new, old, advantages[:, None].expand(6, 5), mask, 0.2, torch.ones(6, 5))
     assert all(torch.equal(x, y) for x, y in zip(a, b))
     ref = torch.randn(6, 5)
-    for loss_type in grpo.LOSS_TYPES:
+    for loss_type in LOSS_TYPES:
         a = grpo.grpo_policy_loss(new, old, ref, advantages, mask, loss_type, 0.2, 0.3, 0.1, 5, 4.0)
         b = grpo_vllm.grpo_policy_loss(new, old, ref, advantages, mask, loss_type, 0.2, 0.3, 0.1, 5, 4.0,
                                        torch.ones(6, 5))

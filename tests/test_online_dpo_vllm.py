@@ -126,7 +126,7 @@ def test_after_a_weight_push_vllm_greedy_equals_hf_greedy(tmp_path, monkeypatch,
         # Train the HF model a little (it learns to answer "beach plane"), then hand the weights over in memory.
         _train(model, prompts, tokenizer, " beach plane")
         transfer = weight_handoff.weight_transfer(args, llm, model, rank=0)
-        weight_handoff.hand_over_weights(model, 1, memory_transfer=transfer, generator=None, weights_dir=None)
+        weight_handoff.send_weights(transfer, 1)
         transfer.finish()  # the generator's part: vLLM's worker has loaded the weights, the update is finished
         after = _greedy_vllm(llm, prompts, tokenizer, 12)
         after_logprobs = _logprobs_vllm(llm, prompts, 4)
@@ -136,7 +136,7 @@ def test_after_a_weight_push_vllm_greedy_equals_hf_greedy(tmp_path, monkeypatch,
         # Through a directory: the fallback, and the way the first version reaches vLLM in every run.
         after_model = copy.deepcopy(model)
         _train(model, prompts, tokenizer, " code router")
-        vllm_engine.write_for_vllm(model, model.state_dict(), tmp_path / "v2")
+        weight_handoff.write_for_vllm(model, model.state_dict(), tmp_path / "v2")
         vllm_engine.load_into_vllm(llm, str(tmp_path / "v2"))
         assert _greedy_vllm(llm, prompts, tokenizer, 12) == _greedy_hf(model, prompts, tokenizer, 12) != after
     finally:
@@ -183,7 +183,7 @@ def test_an_engine_killed_during_an_in_memory_push_ends_it_within_seconds(tmp_pa
     try:
         # The learner's side fails if the bytes cannot go; else the generator's, finishing the update, does.
         with pytest.raises(RuntimeError, match="handing version 1 of the policy to vLLM failed|engine process died"):
-            weight_handoff.hand_over_weights(model, 1, memory_transfer=transfer, generator=None, weights_dir=None)
+            weight_handoff.send_weights(transfer, 1)
             transfer.finish()
     finally:
         vllm_engine.shut_down(llm)
@@ -240,7 +240,7 @@ else:  # vLLM's worker may not take more memory than it has now: it cannot alloc
     worker.rlimit(psutil.RLIMIT_AS, (limit, limit))
 print("pushing", flush=True)
 try:
-    weight_handoff.hand_over_weights(model, 1, memory_transfer=transfer, generator=None, weights_dir=None)
+    weight_handoff.send_weights(transfer, 1)
 except RuntimeError as error:
     print("raised:", error, flush=True)
     raise

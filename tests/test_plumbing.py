@@ -23,7 +23,7 @@ import deepspeed
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import ROOT, TINY
+from conftest import ROOT, SCRIPTS, TINY
 from deepspeed.runtime.config import DeepSpeedConfig
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
@@ -516,9 +516,10 @@ def test_the_generator_waits_for_new_weights_without_a_deadline():
     longer than --generation-timeout: it waits until the version comes or the learner stops, not until a deadline."""
     args = online_dpo_vllm.Args(sync=True, generation_timeout=0.2, bf16=False, num_updates=3)
     kept = generator.GeneratedBatch(0, [[]], [[]], 0.0, 0.0)  # update 1's batch, from a checkpoint
-    thread = generator.GenerationThread(args, None, online_dpo_vllm.vllm_generate, weights_dir="unused",
-                                        train_prompts=[[1]], prompts_per_rank=1, k=2, stop_id=0, first_version=0,
-                                        off_policy_steps=0, probe=None, resumed_batches=[kept])
+    thread = generator.GenerationThread(args, None, online_dpo_vllm.vllm_generate, online_dpo_vllm.generating_version,
+                                        weights_dir="unused", train_prompts=[[1]], prompts_per_rank=1, k=2, stop_id=0,
+                                        first_version=0, off_policy_steps=0, probe=None, in_memory=False,
+                                        resumed_batches=[kept])
     thread.start()
     assert thread.receivers.get(timeout=10) == 1  # update 2's batch waits for version 1
     time.sleep(1.0)  # five --generation-timeouts
@@ -534,7 +535,7 @@ def _load_fresh(path, name):
     return module
 
 
-SCRIPTS = ("rloo", "online_dpo", "bok", "ppo", "rloo_vllm", "online_dpo_vllm", "ppo_vllm", "bok_vllm", "evaluate")
+NAMES = [script.removesuffix(".py") for script in SCRIPTS]  # every script, found by its shape
 
 
 @pytest.mark.parametrize("gpu", ["native", "emulated", "none"])
@@ -544,7 +545,7 @@ def test_bf16_is_the_default_only_on_a_gpu_that_has_it_natively(monkeypatch, cap
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_bf16_supported",
                         lambda including_emulation=True: gpu == "native" or (gpu == "emulated" and including_emulation))
-    for name in SCRIPTS:
+    for name in NAMES:
         module = _load_fresh(os.path.join(ROOT, f"{name}.py"), f"fresh_{name}")
         assert module.Args().bf16 is (gpu == "native"), name
         if gpu == "emulated":  # asked for anyway: one line naming the argument, before anything loads
@@ -578,7 +579,7 @@ def test_a_cuda_torch_that_cannot_use_the_machines_gpus_stops_every_script(monke
     monkeypatch.setattr(torch.version, "cuda", "13.0")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setitem(sys.modules, "pynvml", FakeNvml(gpus))
-    for name in SCRIPTS:
+    for name in NAMES:
         module = importlib.import_module(name)
         if not gpus:  # no NVIDIA GPU: a CPU machine with a CUDA build of torch runs on the CPU, as asked
             checks.check_gpu_driver()
@@ -718,7 +719,7 @@ def test_weight_sync_is_memory_on_gpus_and_file_on_a_cpu_where_memory_needs_a_vl
     """vLLM's weight transfer runs on GPUs (NCCL, CUDA IPC); on a CPU only with a plugin giving its "nccl" engine,
     such as tests/cpu_weight_transfer (on PYTHONPATH in the tests, see conftest.py). Without one, --weight-sync
     memory on a CPU is bad input."""
-    check = checks.check_weight_sync
+    check = vllm_engine.check_weight_sync
     for cuda, default in ((False, "file"), (True, "memory")):
         monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
         args = online_dpo_vllm.Args()
@@ -740,12 +741,12 @@ def test_the_vllm_scripts_stop_in_one_line_under_a_vllm_release_they_do_not_foll
     """vLLM 0.32 and 0.33 (their weight transfer differs: PolicyWeights follows both); 0.26-0.31 had other
     trainer-side engines, torch 2.11 users can only install up to 0.26. The installed one, read without importing
     vLLM, is 0.32 here."""
-    assert checks.installed_vllm().startswith("0.32")
+    assert vllm_engine.installed_vllm().startswith("0.32")
     if supported:
-        checks.check_vllm_version(version)
+        vllm_engine.check_vllm_version(version)
         return
     with pytest.raises(SystemExit) as exit:
-        checks.check_vllm_version(version)
+        vllm_engine.check_vllm_version(version)
     (line,) = capsys.readouterr().err.splitlines()
     assert exit.value.code == 2 and line.startswith("error: the *_vllm.py scripts need vLLM 0.32 or 0.33")
     assert (f"vLLM {version} is installed" if version else "no vLLM is installed") in line

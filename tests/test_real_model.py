@@ -75,8 +75,8 @@ def test_tied_embeddings_reach_vllm_in_memory_and_through_files(smollm2, tmp_pat
     tokenizer = AutoTokenizer.from_pretrained(path)
     prompts = [tokenizer.encode(p, add_special_tokens=False) for p in _prompts(tokenizer)]
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    assert vllm_engine.tied_output_names(model) == ["lm_head.weight"]
-    vllm_engine.write_for_vllm(model, model.state_dict(), str(tmp_path / "v0"))
+    assert weight_handoff.tied_output_names(model) == ["lm_head.weight"]
+    weight_handoff.write_for_vllm(model, model.state_dict(), str(tmp_path / "v0"))
     tokenizer.save_pretrained(tmp_path / "v0")
     args = script.Args(bf16=False, response_length=8, max_prompt_length=56, batch_size=4, vllm_enforce_eager=True)
     args.world_size = 1
@@ -91,14 +91,14 @@ def test_tied_embeddings_reach_vllm_in_memory_and_through_files(smollm2, tmp_pat
 
         _move_far(model, 0)
         transfer = weight_handoff.weight_transfer(args, llm, model, rank=0)
-        weight_handoff.hand_over_weights(model, 1, memory_transfer=transfer, generator=None, weights_dir=None)
+        weight_handoff.send_weights(transfer, 1)
         transfer.finish()
         after = _vllm_logprobs(llm, prompts, 4)
         assert after != before and _largest_difference(model, prompts, after) < 1e-4
         weight_handoff.check_vllm_weights(llm, 1, prompts, _expected(model, prompts, names), bf16=False)
 
         _move_far(model, 1)
-        vllm_engine.write_for_vllm(model, model.state_dict(), str(tmp_path / "v2"))
+        weight_handoff.write_for_vllm(model, model.state_dict(), str(tmp_path / "v2"))
         vllm_engine.load_into_vllm(llm, str(tmp_path / "v2"))
         assert _largest_difference(model, prompts, _vllm_logprobs(llm, prompts, 4)) < 1e-4
         weight_handoff.check_vllm_weights(llm, 2, prompts, _expected(model, prompts, names), bf16=False)

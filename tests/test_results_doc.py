@@ -1,7 +1,7 @@
 """The tables of docs/results.md, docs/performance.md and docs/math.md against the stored outputs they come from
 (benchmark/results/; the math asset's build statistics): every numeric cell is recomputed from its output file and
 rounded as the doc rounds, so a rerun that changes a number fails the doc's row until the doc is updated. Every
-table of a doc is checked or listed in UNCHECKED with the reason. (README.md's tables list scripts and modules; its measured figures are in sentences, which
+table of a doc is checked or listed in UNCHECKED with the reason. (README.md's table lists scripts; its measured figures are in sentences, which
 this test does not read.)"""
 
 import ast

@@ -1,5 +1,5 @@
 """The learner's weight source (weight_handoff.PolicyWeights) against the trainer-side weight transfer engines of
-both vLLM releases the scripts follow (checks.VLLM_RELEASES): 0.32's, installed here, and 0.33's own, whose weight
+both vLLM releases the scripts follow (vllm_engine.VLLM_RELEASES): 0.32's, installed here, and 0.33's own, whose weight
 source contract changed (metadata a cached property, iter_full(), implements_iter_full(), owned_names(rank)). vLLM
 0.33 has no CPU build yet: its weight_transfer package comes from its wheel and goes before the installed one, with
 the rest of vLLM 0.32's. Its engines set up and drive the source as on a GPU, up to what needs one (NCCL's
