@@ -14,6 +14,7 @@ import torch.distributed as dist
 from distributed import gathered_state_dict  # (first: it sets DS_ACCELERATOR before deepspeed is imported)
 from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
+from tqdm import tqdm
 from transformers import AutoTokenizer
 
 from checks import fail
@@ -58,6 +59,37 @@ def latest_checkpoint(path):
     if not updates:
         fail("resume", f"no checkpoint in {path}")
     return os.path.join(path, f"checkpoint-{max(updates)}")
+
+
+def resume_hint(run_dir):
+    """What a run that stops on a fault says about going on: the newest checkpoint to --resume from, if any."""
+    updates = [int(d[len("checkpoint-"):]) for d in os.listdir(run_dir) if d.startswith("checkpoint-")
+               and d[len("checkpoint-"):].isdigit()] if os.path.isdir(run_dir) else []
+    if not updates:
+        return "no checkpoint was written yet (--save-every saves more often)"
+    return f"resume with --resume {os.path.join(run_dir, f'checkpoint-{max(updates)}')}"
+
+
+@torch.no_grad()
+def stop_if_diverged(engines, probe, update, run_dir, learning_rate):
+    """Stop the run in one line (exit code 1) when an update has left a trained model ({name: engine}; the policy
+    first) with weights that are not finite, or the policy with non-finite logits on `probe` (a prompt's tokens: huge
+    but finite weights overflow there), before it is sampled from, handed to vLLM or saved: no checkpoint holds such
+    weights. Every rank calls this (under ZeRO-3 each checks its share, and the probe's forward gathers)."""
+    for name, engine in engines.items():
+        local = [getattr(p, "ds_tensor", p) for p in engine.module.parameters()]
+        finite = torch.stack([n.float() for n in torch._foreach_norm(local)]).isfinite().all()
+        if name == "policy":
+            logits = engine(input_ids=torch.tensor([probe], device=engine.device), use_cache=False).logits
+            finite = finite & logits.isfinite().all()
+        finite = finite.float().reshape(1)
+        dist.all_reduce(finite, op=dist.ReduceOp.MIN)
+        if not finite.item():
+            if dist.get_rank() == 0:  # a line of its own, under the progress bar
+                tqdm.write(f"error: the {name} diverged at update {update}: its weights or outputs are inf or NaN; "
+                           f"lower --learning-rate (now {learning_rate:g}) or look for a non-finite reward; "
+                           f"{resume_hint(run_dir)}", file=sys.stderr)
+            sys.exit(1)
 
 
 def save_checkpoint(args, run_dir, update, episode, engines, extra_files=None, rank_state=None):

@@ -104,12 +104,36 @@ def check_dataset_path(args):
         fail("dataset_name", f"{path} is an empty directory")
 
 
+def check_hub_model(argument, repo_id):
+    """A model argument that is no local directory names a hub repository: in the hub's cache, or reachable now (not
+    after transformers' retries, in its traceback)."""
+    from huggingface_hub import constants, errors, model_info, try_to_load_from_cache
+
+    if isinstance(try_to_load_from_cache(repo_id, "config.json"), str):
+        return  # loads from the cache, offline too
+    offline = "set HF_HUB_OFFLINE=1 to load a model from the hub's cache, or pass a local directory"
+    if constants.HF_HUB_OFFLINE:
+        fail(argument, f"{repo_id} is not a local directory, nor in the hub's cache, and HF_HUB_OFFLINE is set: pass "
+                       "a local directory")
+    try:
+        model_info(repo_id, timeout=10)
+    except errors.RepositoryNotFoundError:  # a gated repository too
+        fail(argument, f"{repo_id} is not a local directory, and the Hugging Face hub has no model of that name that "
+                       "this machine may read (a typo, or a private repository: log in with `hf auth login`)")
+    except Exception as error:  # no network, a proxy, a timeout
+        cause = (str(error).strip().splitlines() or [type(error).__name__])[0]
+        fail(argument, f"{repo_id} is not a local directory, and the Hugging Face hub cannot be reached ({cause}): "
+                       f"{offline}")
+
+
 def check_model(args, argument, reward=False):
-    """A model argument, before anything loads: a directory (a hub id is checked when it loads) with a readable config
-    and a tokenizer; a reward model is a sequence classifier (any other gets a random score head), a policy is not."""
+    """A model argument, before anything loads: a directory with a readable config and a tokenizer, or a hub id in the
+    cache or on a reachable hub (its files are checked when it loads); a reward model is a sequence classifier (any
+    other gets a random score head), a policy is not."""
     path = getattr(args, argument)
     check_model_path(argument, path)
     if not os.path.isdir(path):
+        check_hub_model(argument, path)
         return
     try:
         config = AutoConfig.from_pretrained(path, trust_remote_code=args.trust_remote_code)
@@ -141,17 +165,22 @@ def check_rewards(args, rules):
         check_model(args, "gold_reward_model_path", reward=True)
 
 
-def check_bounds(args, positive=(), at_least_0=()):
+def check_bounds(args, positive=(), at_least_0=(), lower_clips=()):
     """Number arguments within their bounds: the batch sizes, lengths and counts of every script at least 1, its
-    temperature and learning rate positive, its evaluation and save intervals 0 or more, and the script's own."""
+    temperature and learning rate positive, its evaluation and save intervals 0 or more, and the script's own; a
+    ratio's lower clip range (the ratio is clipped below at 1 - it) in (0, 1)."""
     at_least_1 = ("per_device_train_batch_size", "gradient_accumulation_steps", "num_mini_batches", "num_ppo_epochs",
                   "response_length", "max_prompt_length", "total_episodes", "num_eval_prompts")
-    for names, low, strict in ((at_least_1, 1, False), (positive + ("temperature", "learning_rate"), 0, True),
+    for names, low, strict in ((at_least_1, 1, False), (positive + lower_clips + ("temperature", "learning_rate"), 0, True),
                                (at_least_0 + ("eval_every", "save_every"), 0, False)):
         for name in names:
             value = getattr(args, name)
             if value < low or (strict and value == low):
                 fail(name, f"must be {'positive' if strict else f'at least {low}'}, got {value}")
+    for name in lower_clips:
+        if getattr(args, name) >= 1:
+            fail(name, f"must be below 1: the ratio is clipped below at 1 - {name.replace('_', '-')}, which would be "
+                       f"{1 - getattr(args, name):g}, got {getattr(args, name)}")
 
 
 def check_numbers(args):
@@ -189,6 +218,22 @@ def check_files(args):
     if isinstance(config.get("fp16"), dict) and config["fp16"].get("enabled"):
         fail("deepspeed_config", f"{args.deepspeed_config}: fp16 is not supported (no loss scaling here): train in "
                                  "bfloat16 (--bf16) or float32")
+    # What the script fills in from its arguments: a config that says otherwise contradicts them (DeepSpeed refuses
+    # such a config; here it would be overwritten without a word).
+    from_arguments = {"train_micro_batch_size_per_gpu": (args.per_device_train_batch_size, "--per-device-train-batch-size"),
+                      "gradient_accumulation_steps": (args.gradient_accumulation_steps, "--gradient-accumulation-steps"),
+                      "train_batch_size": (args.per_device_train_batch_size * args.gradient_accumulation_steps *
+                                           args.world_size, "--per-device-train-batch-size x "
+                                           "--gradient-accumulation-steps x processes")}
+    for key, (value, source) in from_arguments.items():
+        if config.get(key, "auto") not in ("auto", value):
+            fail("deepspeed_config", f"{args.deepspeed_config}: {key} is {config[key]!r}, but this run's arguments make it {value} "
+                                     f"({source}): "
+                                     f"leave it out of the config (the script fills it in) or make them agree")
+    bf16 = config.get("bf16", {}).get("enabled", "auto") if isinstance(config.get("bf16"), dict) else "auto"
+    if bf16 != "auto" and bool(bf16) != args.bf16:
+        fail("deepspeed_config", f"{args.deepspeed_config}: bf16.enabled is {bf16!r}, but this run has "
+                                 f"{'--bf16' if args.bf16 else '--no-bf16'}: leave it out of the config or make them agree")
     clipping = config.get("gradient_clipping", 0.0)
     if isinstance(clipping, bool) or not isinstance(clipping, (int, float)) or not 0 <= clipping < math.inf:
         fail("deepspeed_config", f"{args.deepspeed_config}: gradient_clipping must be a number, 0 or more, got "

@@ -303,8 +303,9 @@ def main(args):
                     shutil.rmtree(path, ignore_errors=True)
                     write_for_vllm(policy, policy.state_dict(), path)
                     AutoTokenizer.from_pretrained(checkpoint, trust_remote_code=args.trust_remote_code).save_pretrained(path)
-                if llm is None:
-                    llm = start_vllm(args, path)
+                if llm is None:  # with room for the layer-wise reload of the next checkpoints (their largest tensor)
+                    largest = max(p.numel() * p.element_size() for p in policy.parameters())
+                    llm = start_vllm(args, path, largest_bytes=largest)
                 else:
                     load_into_vllm(llm, path)
             metrics, samples = evaluate_checkpoint(args, {**models, "policy": policy}, llm, prompts, reference,

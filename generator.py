@@ -20,14 +20,15 @@ from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
+from tqdm import tqdm
 from transformers import AutoTokenizer
 
-from checkpoints import latest_checkpoint
+from checkpoints import latest_checkpoint, resume_hint
 from data import prompt_batch
-from vllm_engine import (engine_dead, in_memory_backend, load_into_vllm, pin_vllm_to_its_cores, shut_down, start_vllm,
-                         vllm_gpu, wait_for)
-from weight_handoff import (VllmClient, WeightsDiffer, check_vllm_weights, expected_weights, save_for_vllm,
-                            send_weights, vllm_digests, weight_transfer, weights_root)
+from vllm_engine import (engine_dead, engine_exit, in_memory_backend, load_into_vllm, pin_vllm_to_its_cores, shut_down,
+                         start_vllm, vllm_gpu, wait_for)
+from weight_handoff import (VllmClient, WeightsDiffer, check_vllm_weights, digests_to_check, expected_weights,
+                            save_for_vllm, send_weights, vllm_digests, weight_transfer, weights_root)
 
 
 class AsyncGeneration:
@@ -46,7 +47,7 @@ class AsyncGeneration:
                  off_policy_steps, schedule, sample):
         self.args, self.probe, self.pad_id = args, probe, tokenizer.pad_token_id
         self.first_version, self.off_policy_steps, self.schedule = start_update, off_policy_steps, schedule
-        self.rank, self.thread = dist.get_rank(), None
+        self.rank, self.thread, self.run_dir, self.update = dist.get_rank(), None, run_dir, start_update
         self.in_memory = args.weight_sync == "memory"
         if self.in_memory:  # rank 0 (vLLM's) decides: CUDA IPC leaks with several training ranks
             shared = vllm_gpu(args)[1] if self.rank == 0 and torch.cuda.is_available() else None
@@ -70,7 +71,10 @@ class AsyncGeneration:
         if self.rank == 0:
             AutoTokenizer.from_pretrained(args.sft_model_path, trust_remote_code=args.trust_remote_code).save_pretrained(first)
             largest = max(getattr(p, "ds_numel", p.numel()) * p.element_size() for p in policy.module.parameters())
-            llm = start_vllm(args, first, self.in_memory, largest)
+            try:
+                llm = start_vllm(args, first, self.in_memory, largest)
+            except Exception as error:  # vLLM logged the cause above
+                self.stop(f"vLLM's engine did not start: {(str(error).strip().splitlines() or [repr(error)])[0]}")
             shutil.rmtree(first)
             resumed = load_generated_batches(latest_checkpoint(args.resume)) if args.resume else []
             self.thread = GenerationThread(args, llm, sample, schedule, weights_dir=self.weights_dir,
@@ -87,9 +91,8 @@ class AsyncGeneration:
         if args.check_weights_every:
             expected = expected_weights(policy, probe, None, self.pad_id, policy.device)
             if self.rank == 0:
-                digests = vllm_digests(llm)
-                checked_names = [sorted(n for n, d in expected.digests.items() if digests.get(n) == d)]
                 try:
+                    checked_names = [digests_to_check(expected.digests, vllm_digests(llm), torch.cuda.is_available())]
                     check_vllm_weights(llm, start_update, probe, expected._replace(
                         digests={n: expected.digests[n] for n in checked_names[0]}), args.bf16)
                 except WeightsDiffer as error:
@@ -104,8 +107,16 @@ class AsyncGeneration:
 
     def get(self):
         """The next update's GeneratedBatch, on every rank (rank 0's thread generated it; each rank takes its share)."""
-        batch = [self.thread.get() if self.rank == 0 else None]
+        self.update += 1
+        batch = [None]
+        if self.rank == 0:
+            try:
+                batch = [self.thread.get()]
+            except GenerationFailed as error:  # every rank stops, rank 0 says why
+                batch = [str(error)]
         dist.broadcast_object_list(batch, src=0)
+        if isinstance(batch[0], str):
+            self.stop(batch[0])
         return batch[0]
 
     def hand_over(self, policy, update):
@@ -131,7 +142,10 @@ class AsyncGeneration:
                 send_weights(self.transfer, update)
             except RuntimeError:
                 if self.thread is not None:  # the likeliest cause: vLLM's engine died ("the generator failed: ...")
-                    self.thread.raise_if_failed()
+                    try:
+                        self.thread.raise_if_failed()
+                    except GenerationFailed as error:
+                        self.stop(str(error))
                 raise
         if self.thread is not None:
             self.thread.publish(update, path, finish=getattr(self.transfer, "finish", None), expected=expected)
@@ -143,9 +157,20 @@ class AsyncGeneration:
         ahead = self.thread.peek(min(self.off_policy_steps, self.args.num_updates - update)) if self.rank == 0 else []
         return {GENERATED_BATCHES: [batch._asdict() for batch in ahead]}
 
+    def stop(self, failure):
+        """End the run on a fault of the generation side: one line on rank 0 naming it, the update and the checkpoint
+        to resume from; exit code 1 on every rank (the atexit clean-ups end vLLM's processes, delete the weights)."""
+        if self.rank == 0:
+            tqdm.write(f"error: {failure} (update {self.update}); {resume_hint(self.run_dir)}", file=sys.stderr)
+        sys.exit(1)
+
     def close(self):
         if self.thread is not None:
             self.thread.close()
+
+
+class GenerationFailed(RuntimeError):
+    """The generator thread failed, or vLLM's engine died: AsyncGeneration stops the run in one line."""
 
 
 class GeneratedBatch(NamedTuple):
@@ -234,10 +259,10 @@ class GenerationThread:
     def raise_if_failed(self):
         if isinstance(self.error, WeightsDiffer):
             raise SystemExit(f"error: {self.error}")
+        if engine_dead(self.llm):  # first: the likeliest cause of an error in the thread too
+            raise GenerationFailed(f"the generator failed: vLLM's engine process died{engine_exit(self.llm)}")
         if self.error is not None:
-            raise RuntimeError(f"the generator failed: {self.error!r}") from self.error
-        if engine_dead(self.llm):
-            raise RuntimeError("the generator failed: vLLM's engine process died")
+            raise GenerationFailed(f"the generator failed: {self.error!r}") from self.error
 
     def _take(self, source, what, check, timeout=None):
         """The next item of a queue, waiting at most `timeout` (default --generation-timeout) seconds and calling

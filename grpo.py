@@ -45,7 +45,7 @@ from checks import check_bounds, check_gpu_driver, check_run, fail, parse_argume
 from data import left_pad, load_data, load_model, prompt_batch
 from distributed import (adam_class, ds_config, frozen_engine, mean_over_ranks, set_up_distributed,
                          unwrapped_for_generation)
-from checkpoints import check_resume, latest_checkpoint, load_checkpoint, save_checkpoint
+from checkpoints import check_resume, latest_checkpoint, load_checkpoint, save_checkpoint, stop_if_diverged
 from runlog import RunLog, run_directory
 from held_out import evaluate
 
@@ -393,6 +393,8 @@ def main(args):
                         stats["entropy"].append(masked_mean(entropy, ~padding_mask[idx]))
         logits = batch_logits = None  # batch x length x vocabulary: not held through the steps that follow
         get_accelerator().synchronize()  # a GPU may still run the optimizer's step: it counts as training
+        # Weights or outputs that became inf or NaN stop the run here, before they are used or saved.
+        stop_if_diverged({"policy": policy}, eval_prompts[0], update, run_dir, args.learning_rate)
         t3 = time.time()
 
         # 5. Log, evaluate, save.
@@ -451,8 +453,8 @@ def validate(args):
     if args.dynamic_sampling_rounds is None:
         args.dynamic_sampling_rounds = 10 if args.loss_type == "dapo" else 0  # verl's DAPO recipe: 10 batches
     lower = () if args.loss_type == "cispo" else ("cliprange_low",)
-    check_bounds(args, positive=("cliprange_high",) + lower,
-                 at_least_0=("beta", "overlong_buffer", "dynamic_sampling_rounds"))
+    check_bounds(args, positive=("cliprange_high",), at_least_0=("beta", "overlong_buffer", "dynamic_sampling_rounds"),
+                 lower_clips=lower)
     if args.overlong_buffer > args.response_length:
         fail("overlong_buffer", f"must be at most --response-length ({args.response_length}), got {args.overlong_buffer}")
     if args.k < 2:

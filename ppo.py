@@ -37,7 +37,7 @@ from checks import check_bounds, check_gpu_driver, check_run, fail, parse_argume
 from data import left_pad, load_data, load_model, prompt_batch
 from distributed import (adam_class, ds_config, frozen_engine, mean_over_ranks, set_up_distributed,
                          unwrapped_for_generation)
-from checkpoints import check_resume, latest_checkpoint, load_checkpoint, save_checkpoint
+from checkpoints import check_resume, latest_checkpoint, load_checkpoint, save_checkpoint, stop_if_diverged
 from runlog import RunLog, run_directory
 from held_out import evaluate
 
@@ -336,6 +336,9 @@ def main(args):
                         stats["entropy"].append(masked_mean(entropy, mask))
         logits = None  # batch x length x vocabulary: not held through the steps that follow
         get_accelerator().synchronize()  # a GPU may still run the optimizer's step: it counts as training
+        # Weights that became inf or NaN stop the run here, before they are sampled from, handed over or saved.
+        stop_if_diverged({"policy": policy, "value model": value_model}, eval_prompts[0], update, run_dir,
+                         args.learning_rate)
         t3 = time.time()
 
         # 5. Log, evaluate, save.
@@ -388,7 +391,7 @@ def main(args):
 def validate(args):
     """Check the arguments before any model is loaded; fill in the derived batch sizes."""
     check_gpu_driver()
-    check_bounds(args, positive=("cliprange", "cliprange_value", "vf_coef"), at_least_0=("kl_coef",))
+    check_bounds(args, positive=("cliprange_value", "vf_coef"), at_least_0=("kl_coef",), lower_clips=("cliprange",))
     for name in ("gamma", "lam"):
         if not 0 <= getattr(args, name) <= 1:
             fail(name, f"must be between 0 and 1, got {getattr(args, name)}")

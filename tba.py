@@ -35,7 +35,8 @@ from checks import check_bounds, check_gpu_driver, check_run, fail, parse_argume
 from data import left_pad, load_data, load_model, prompt_batch, right_pad
 from distributed import (adam_class, ds_config, frozen_engine, mean_over_ranks, set_up_distributed,
                          unwrapped_for_generation)
-from checkpoints import check_resume, latest_checkpoint, load_checkpoint, load_rank_state, save_checkpoint
+from checkpoints import (check_resume, latest_checkpoint, load_checkpoint, load_rank_state, save_checkpoint,
+                         stop_if_diverged)
 from runlog import RunLog, run_directory
 from held_out import evaluate
 
@@ -319,6 +320,8 @@ def main(args):
                         stats["entropy"].append(masked_mean(entropy, ~train_padding[idx]))
         logits = None  # batch x length x vocabulary: not held through the steps that follow
         get_accelerator().synchronize()  # a GPU may still run the optimizer's step: it counts as training
+        # Weights or outputs that became inf or NaN stop the run here, before they are used or saved.
+        stop_if_diverged({"policy": policy}, eval_prompts[0], update, run_dir, args.learning_rate)
         t3 = time.time()
 
         # 5. Log, evaluate, save.

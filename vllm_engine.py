@@ -7,6 +7,8 @@ import contextlib
 import importlib.metadata
 import os
 import queue
+import signal
+import subprocess
 import sys
 import threading
 import time
@@ -130,19 +132,26 @@ def hand_off_bytes(largest_bytes, received):
 LEARNER_CONTEXT = 2**29  # the learner's CUDA context and cuBLAS workspaces: outside its allocator's cap
 
 
-def vllm_memory_share(requested, free_bytes, total_bytes, gpu, hand_off):
+def vllm_memory_share(requested, free_bytes, total_bytes, gpu, hand_off, held_bytes):
     """vLLM's gpu_memory_utilization on a GPU training already uses, and the learner's share of the GPU then: vLLM
     starts only if its share of the total memory is free once its process has a CUDA context (about 0.5 GiB; 1 GiB is
     kept for it), and it frees and takes again its activations' memory at every batch, so the learner's allocator is
     held to the rest (the learner, not vLLM, runs out of memory): less vLLM's context, the learner's own context
     (LEARNER_CONTEXT) and the `hand_off` bytes vLLM takes beyond its share (hand_off_bytes()). Default: half the free
-    memory (the rest is for training's activations and optimizer state)."""
+    memory (the rest is for training's activations and optimizer state). The learner's share must exceed the
+    `held_bytes` its allocator holds already (its models)."""
     share = requested if requested is not None else int(50 * free_bytes / total_bytes) / 100
     if share * total_bytes > free_bytes - 2**30 or (requested is None and share * total_bytes < 2**30):
         fail("vllm_gpu_memory_utilization", f"GPU {gpu}, shared with training, has {free_bytes / 2**30:.1f} of "
                                             f"{total_bytes / 2**30:.1f} GiB free, too little for vLLM to take "
                                             f"{share:.2f} of it (give vLLM a GPU of its own with --vllm-gpu)")
-    return share, 1 - share - (2**30 + LEARNER_CONTEXT + hand_off) / total_bytes
+    learner = 1 - share - (2**30 + LEARNER_CONTEXT + hand_off) / total_bytes
+    if learner * total_bytes <= held_bytes:
+        fail("vllm_gpu_memory_utilization", f"GPU {gpu}, shared with training: vLLM's share of {share:.2f} and its "
+                                            f"hand-off leave the learner {max(learner, 0) * total_bytes / 2**30:.1f} "
+                                            f"GiB, not more than the {held_bytes / 2**30:.1f} GiB it holds already "
+                                            "(lower it, or give vLLM a GPU of its own with --vllm-gpu)")
+    return share, learner
 
 
 def own_gpu_share(requested, total_bytes, hand_off):
@@ -171,7 +180,7 @@ def start_vllm(args, model_path, weight_transfer=False, largest_bytes=0):
         if shared is not None:
             torch.cuda.empty_cache()  # blocks the learner's allocator holds but does not use are free for vLLM
             share, learner = vllm_memory_share(args.vllm_gpu_memory_utilization, *torch.cuda.mem_get_info(shared), gpu,
-                                               hand_off)
+                                               hand_off, torch.cuda.memory_reserved(shared))
             torch.cuda.set_per_process_memory_fraction(learner, shared)
             print(f"vLLM shares GPU {gpu} with training and takes {share:.2f} of its memory "
                   "(--vllm-gpu-memory-utilization); it has no GPU of its own", flush=True)
@@ -196,7 +205,53 @@ def start_vllm(args, model_path, weight_transfer=False, largest_bytes=0):
         if backend == "ipc":
             allow_pickled_rpc(os.environ)
     with environment(env):  # set while the engine starts, restored after
-        return LLM(**engine_args)
+        llm = LLM(**engine_args)
+    reap_when_the_learner_dies(llm)
+    return llm
+
+
+# Run by a process of its own, started after vLLM's engine: waits on a pipe only the learner holds, which closes
+# however the learner ends (SIGKILL included), then kills the engine processes it was given and their children,
+# if they still run (a pid's start time guards against a reused pid).
+REAPER = """
+import sys, psutil
+sys.stdin.buffer.read()
+for pid, started in zip(sys.argv[1::2], sys.argv[2::2]):
+    try:
+        engine = psutil.Process(int(pid))
+        if engine.create_time() == float(started):
+            for process in engine.children(recursive=True) + [engine]:
+                process.kill()
+    except psutil.Error:
+        pass
+"""
+REAPERS = []  # the reapers' pipes stay open while the learner lives: closed, a reaper kills the engine at once
+
+
+def reap_when_the_learner_dies(llm):
+    """vLLM's engine processes never outlive the learner: nothing runs in a process killed by SIGKILL (a scheduler's
+    pre-emption, the kernel's out-of-memory killer), and an orphaned engine keeps its memory, on a GPU vLLM's whole
+    share, so the --resume that follows would find the GPU full. A reaper process ends them then."""
+    import psutil
+
+    engines = [psutil.Process(p.pid) for p in engine_processes(llm)]
+    arguments = [str(value) for engine in engines for value in (engine.pid, engine.create_time())]
+    REAPERS.append(subprocess.Popen([sys.executable, "-c", REAPER, *arguments], stdin=subprocess.PIPE,
+                                    start_new_session=True))  # not in the terminal's process group: Ctrl-C spares it
+
+
+def engine_processes(llm):
+    """vLLM's engine processes (multiprocessing's BaseProcess), started by LLM() in this one: vLLM's private state."""
+    manager = llm.llm_engine.engine_core.resources.engine_manager
+    return list(getattr(manager, "processes", []))
+
+
+def engine_exit(llm):
+    """How vLLM's engine process ended, if it has: ", killed by SIGKILL", ", exit code 1", or ""."""
+    codes = [p.exitcode for p in engine_processes(llm) if p.exitcode]
+    if not codes:
+        return ""
+    return f", killed by {signal.Signals(-codes[0]).name}" if codes[0] < 0 else f", exit code {codes[0]}"
 
 
 @contextlib.contextmanager

@@ -286,6 +286,24 @@ def weight_digests(named_tensors, names=None):
     return {name: digest.hexdigest() for name, digest in hashes.items()}
 
 
+def digests_to_check(expected, held, on_gpu):
+    """The tensors whose digests the weight check compares, of the learner's `expected` digests ({name: digest}, the
+    fused tensors vLLM makes included): those vLLM `held` alike when it started. On a CPU vLLM repacks its linear
+    layers for its kernels (embeddings and norms are left); on a GPU it keeps every tensor byte for byte, so a fused
+    tensor (FUSED) left out means that the rule for it is wrong, and the check would pass unnoticed: WeightsDiffer.
+    Says in one line what is compared and what is left out."""
+    names = sorted(name for name, digest in expected.items() if held.get(name) == digest)
+    left_out = sorted(set(expected) - set(names))
+    fused = [name for name in left_out if any(f"{part}." in name for part in ("qkv_proj", "gate_up_proj"))]
+    if on_gpu and fused:
+        raise WeightsDiffer(f"the weight check's rule for vLLM's fused tensors (weight_handoff.FUSED) does not give "
+                            f"vLLM's digest of {', '.join(fused[:3])}{' ...' if len(fused) > 3 else ''}: fix the rule")
+    why = "vLLM repacks them for its CPU kernels" if not on_gpu else "vLLM fuses them or does not hold them"
+    print(f"weight check: the probe's log-probabilities and the digests of {len(names)} of {len(expected)} tensors"
+          f"{f' ({len(left_out)} left out: {why}, such as {left_out[0]})' if left_out else ''}", flush=True)
+    return names
+
+
 def vllm_digests(llm):
     """vLLM's digest of each parameter of its model (one worker: no tensor parallelism), by parameter name."""
     (digests,) = llm.collective_rpc("compute_weight_checksums")

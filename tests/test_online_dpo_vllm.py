@@ -7,6 +7,7 @@ import contextlib
 import copy
 import functools
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -315,8 +316,8 @@ def test_a_hand_off_that_fails_on_the_learners_side_raises_and_exits_at_once(hun
 
 
 def test_a_dead_generator_stops_the_run_with_its_error(tmp_path):
-    """Kill vLLM's engine process in the middle of a run: the learner must exit non-zero, naming the
-    generator's failure, within seconds, and leave no process behind."""
+    """Kill vLLM's engine process in the middle of a run: the learner must exit non-zero within seconds, in one line
+    naming what died, how, at which update and what to resume from (no traceback), and leave no process behind."""
     process = subprocess.Popen([sys.executable, "online_dpo_vllm.py", "--vllm-enforce-eager", "--output-dir",
                                 str(tmp_path)], cwd=ROOT, env={**os.environ, "WANDB_MODE": "offline"},
                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
@@ -333,8 +334,34 @@ def test_a_dead_generator_stops_the_run_with_its_error(tmp_path):
     finally:
         if process.poll() is None:
             process.kill()
-    assert process.returncode not in (0, None)
+    assert process.returncode == 1
     assert time.time() - killed < 30, "the learner took too long to notice"
-    assert "the generator failed" in stderr, stderr[-3000:]
+    errors = [line for line in stderr.replace("\r", "\n").splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "Traceback" not in stderr, stderr[-3000:]
+    assert re.match(r"error: the generator failed: vLLM's engine process died, killed by SIGKILL \(update \d+\); "
+                    r"no checkpoint was written yet", errors[0]), errors
     time.sleep(2)
     assert not [p for p in children if p.is_running() and p.status() != psutil.STATUS_ZOMBIE], "processes left behind"
+
+
+def test_vllm_never_outlives_a_learner_killed_with_sigkill(tmp_path):
+    """A scheduler's pre-emption or the out-of-memory killer ends the learner with SIGKILL, where nothing of it runs:
+    vLLM's engine and worker processes must still end (on a GPU they would keep vLLM's memory from the --resume)."""
+    process = subprocess.Popen([sys.executable, "online_dpo_vllm.py", "--vllm-enforce-eager", "--output-dir",
+                                str(tmp_path)], cwd=ROOT, env={**os.environ, "WANDB_MODE": "offline"},
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.time() + 300
+        while not list(tmp_path.glob("*__*/metrics.jsonl")) or len(read_metrics(run_dir_of(tmp_path))) < 2:
+            assert process.poll() is None and time.time() < deadline, "the run ended or stalled before training"
+            time.sleep(0.5)
+        children = psutil.Process(process.pid).children(recursive=True)
+        assert any(p.cmdline() and p.cmdline()[0].startswith("VLLM::EngineCore") for p in children)
+    finally:
+        process.kill()
+    process.wait()
+    deadline = time.time() + 20
+    while [p for p in children if p.is_running() and p.status() != psutil.STATUS_ZOMBIE] and time.time() < deadline:
+        time.sleep(0.5)
+    left = [(p.pid, p.name()) for p in children if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    assert not left, f"processes outlived the learner: {left}"

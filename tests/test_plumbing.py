@@ -286,15 +286,25 @@ def test_vllm_memory_share_on_a_gpu_shared_with_training(capsys):
     gib = 2**30
     # half of what is free, rounded down; the learner's allocator is held to the rest but vLLM's CUDA context (1 GiB
     # kept), the learner's own (0.5 GiB) and what loading new weights takes in vLLM beyond its share (here 2 GiB)
-    assert vllm_engine.vllm_memory_share(None, 60 * gib, 80 * gib, "0", 2 * gib) == (0.37, 1 - 0.37 - 3.5 / 80)
-    assert vllm_engine.vllm_memory_share(0.5, 60 * gib, 80 * gib, "0", 0) == (0.5, 1 - 0.5 - 1.5 / 80)  # a share that fits
+    assert vllm_engine.vllm_memory_share(None, 60 * gib, 80 * gib, "0", 2 * gib, 0) == (0.37, 1 - 0.37 - 3.5 / 80)
+    assert vllm_engine.vllm_memory_share(0.5, 60 * gib, 80 * gib, "0", 0, 0) == (0.5, 1 - 0.5 - 1.5 / 80)  # a share that fits
     # vLLM would refuse to start (it measures once its CUDA context, about 0.5 GiB, is made); we stop first
     for requested, free in ((0.9, 60 * gib), (0.74, 60 * gib), (None, 1.5 * gib)):
         with pytest.raises(SystemExit) as exit:
-            vllm_engine.vllm_memory_share(requested, free, 80 * gib, "0", 0)
+            vllm_engine.vllm_memory_share(requested, free, 80 * gib, "0", 0, 0)
         assert exit.value.code == 2
         (line,) = capsys.readouterr().err.splitlines()
         assert line.startswith("error: --vllm-gpu-memory-utilization: GPU 0, shared with training, has")
+    # A share that leaves the learner less than its allocator holds (or a negative fraction, which torch refuses with
+    # a traceback): one line. 0.7 of 80 GiB with 2 GiB of hand-off leaves 80 - 56 - 3.5 = 20.5 GiB.
+    assert vllm_engine.vllm_memory_share(0.7, 70 * gib, 80 * gib, "0", 2 * gib, 20 * gib)[1] * 80 == pytest.approx(20.5)
+    for held, hand_off in ((21 * gib, 2 * gib), (0, 30 * gib)):
+        with pytest.raises(SystemExit) as exit:
+            vllm_engine.vllm_memory_share(0.7, 70 * gib, 80 * gib, "0", hand_off, held)
+        assert exit.value.code == 2
+        (line,) = capsys.readouterr().err.splitlines()
+        assert line.startswith("error: --vllm-gpu-memory-utilization: GPU 0, shared with training: vLLM's share of "
+                               "0.70 and its hand-off leave the learner "), line
 
 
 def test_vllm_on_a_gpu_of_its_own_leaves_room_for_loading_new_weights():
@@ -310,6 +320,27 @@ def test_vllm_on_a_gpu_of_its_own_leaves_room_for_loading_new_weights():
     assert vllm_engine.own_gpu_share(None, 24 * gib, vllm_engine.hand_off_bytes(largest, True)) == 0.82
     assert vllm_engine.own_gpu_share(None, 80 * gib, vllm_engine.hand_off_bytes(10**6, True)) == 0.89
     assert vllm_engine.own_gpu_share(0.95, 24 * gib, 4 * largest) == 0.95  # --vllm-gpu-memory-utilization wins
+
+
+def test_the_weight_check_fails_on_a_gpu_when_its_rule_for_fused_tensors_is_wrong(monkeypatch, capsys):
+    """The weight check compares the digests vLLM holds alike when it starts. On a GPU that is every tensor, the fused
+    ones included: a wrong rule for fusing (here v left out of qkv_proj) must stop the run, not silently drop the
+    tensor from every later check. On a CPU, where vLLM repacks its linear layers, they are left out, and it says so."""
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=50, hidden_size=64, intermediate_size=96, num_hidden_layers=1,
+                                         num_attention_heads=4, num_key_value_heads=2))
+    held = weight_handoff.weight_digests(model.named_parameters())  # what vLLM on CUDA reports: the right fusion
+    held = {name: digest for name, digest in held.items() if not re.search(r"\.(q|k|v|gate|up)_proj\.", name)}
+    assert weight_handoff.digests_to_check(weight_handoff.weight_digests(model.named_parameters()), held, True)
+    assert "digests of 9 of 14 tensors (5 left out: vLLM fuses them or does not hold them" in capsys.readouterr().out
+    broken = ((re.compile(r"(.*)\.[qk]_proj\.(weight|bias)$"), r"\1.qkv_proj.\2"), weight_handoff.FUSED[1])
+    monkeypatch.setattr(weight_handoff, "FUSED", broken)
+    expected = weight_handoff.weight_digests(model.named_parameters())
+    with pytest.raises(weight_handoff.WeightsDiffer, match=r"does not give vLLM's digest of model\.layers\.0\.self_"
+                                                          r"attn\.qkv_proj\.weight: fix the rule"):
+        weight_handoff.digests_to_check(expected, held, on_gpu=True)
+    names = weight_handoff.digests_to_check(expected, held, on_gpu=False)
+    assert "model.layers.0.self_attn.qkv_proj.weight" not in names and "model.embed_tokens.weight" in names
+    assert "left out: vLLM repacks them for its CPU kernels" in capsys.readouterr().out
 
 
 def test_the_weight_check_digests_vllms_fused_tensors_from_the_learners_parts():
@@ -614,6 +645,7 @@ def test_vllm_on_a_gpu_starts_with_what_its_weight_hand_off_needs(tmp_path, monk
     monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", lambda *limit: calls.append(limit))
     monkeypatch.setitem(sys.modules, "pynvml", FakeNvml(gpus))
     monkeypatch.setattr(importlib.import_module("vllm"), "LLM", RecordedLLM)
+    monkeypatch.setattr(vllm_engine, "reap_when_the_learner_dies", lambda llm: None)  # it starts no process
     for name in ("CUDA_VISIBLE_DEVICES", "LOCAL_SIZE", "LOCAL_WORLD_SIZE", "VLLM_ALLOW_INSECURE_SERIALIZATION"):
         monkeypatch.delenv(name, raising=False)
     args = online_dpo_vllm.Args(bf16=True)
@@ -750,3 +782,15 @@ def test_the_vllm_scripts_stop_in_one_line_under_a_vllm_release_they_do_not_foll
     (line,) = capsys.readouterr().err.splitlines()
     assert exit.value.code == 2 and line.startswith("error: the *_vllm.py scripts need vLLM 0.32 or 0.33")
     assert (f"vLLM {version} is installed" if version else "no vLLM is installed") in line
+
+
+def test_a_hub_id_this_machine_cannot_read_stops_in_one_line_within_seconds(capsys):
+    """A model path that is no local directory, on a machine without the hub (this one: package registries only): one
+    line naming the argument and how to run offline, not transformers' traceback after its retries (about 30 s)."""
+    started = time.time()
+    with pytest.raises(SystemExit) as exit:
+        checks.check_model(types.SimpleNamespace(sft_model_path="some-org/no-such-model", trust_remote_code=False),
+                           "sft_model_path")
+    error = capsys.readouterr().err
+    assert exit.value.code == 2 and error.count("\n") == 1 and time.time() - started < 15, error
+    assert error.startswith("error: --sft-model-path: some-org/no-such-model is not a local directory, and the "), error

@@ -604,6 +604,9 @@ CHOICES = ("missing_eos_mode", "loss_type", "is_level", "is_mode", "weight_sync"
 
 # Paths: each missing, of the wrong kind (a file where a directory goes, and the reverse) or empty.
 DIRECTORIES = ("sft_model_path", "reward_model_path", "gold_reward_model_path", "dataset_name", "resume", "checkpoints")
+MODELS = ("sft_model_path", "reward_model_path", "gold_reward_model_path", "checkpoints")
+# A ratio's lower clip range: the ratio is clipped below at 1 - it, so 1 or more turns the clip upside down.
+LOWER_CLIPS = ("cliprange", "cliprange_low")
 # The fields of the DeepSpeed config the scripts read (the stage, the offload devices, no fp16, gradient clipping), out
 # of their domain; checks.check_files finds them in validate().
 DEEPSPEED_CONFIGS = ['[1]', '{}', '{"zero_optimization": [2]}', '{"zero_optimization": {}}',
@@ -613,7 +616,12 @@ DEEPSPEED_CONFIGS = ['[1]', '{}', '{"zero_optimization": [2]}', '{"zero_optimiza
                      '{"zero_optimization": {"stage": 3, "offload_param": {"device": "gpu"}}}',
                      '{"zero_optimization": {"stage": 2}, "fp16": {"enabled": true}}',
                      '{"zero_optimization": {"stage": 2}, "gradient_clipping": "auto"}',
-                     '{"zero_optimization": {"stage": 2}, "gradient_clipping": -1}']
+                     '{"zero_optimization": {"stage": 2}, "gradient_clipping": -1}',
+                     # values the script fills in from its arguments, contradicting them (DeepSpeed refuses these)
+                     '{"zero_optimization": {"stage": 2}, "train_micro_batch_size_per_gpu": 3}',
+                     '{"zero_optimization": {"stage": 2}, "gradient_accumulation_steps": 7}',
+                     '{"zero_optimization": {"stage": 2}, "train_batch_size": 5}',
+                     '{"zero_optimization": {"stage": 2}, "bf16": {"enabled": true}}']
 
 
 def path_cases(script, tmp_path):
@@ -623,6 +631,8 @@ def path_cases(script, tmp_path):
     (tmp_path / "empty.json").write_text("")
     cases = [(name, value) for name in DIRECTORIES if name in fields
              for value in ("missing/directory/x", "README.md", str(tmp_path / "empty"))]
+    # A model on the hub that this machine cannot read (the walk runs with HF_HUB_OFFLINE=1: no cache holds it).
+    cases += [(name, "some-org/no-such-model") for name in MODELS if name in fields]
     if "deepspeed_config" in fields:
         cases += [("deepspeed_config", value) for value in ("missing/x.json", str(tmp_path / "empty"),
                                                             str(tmp_path / "empty.json"))]
@@ -648,6 +658,7 @@ def walk_cases(script):
             values = ["word", "1.5"] if kind is int else ["word", "nan", "inf", "-inf"]
             zero_ok = ZERO_OK | ({"num_eval_prompts", "temperature"} if script == "evaluate.py" else set())  # all, greedy
             values += [v for v, ok in (("-1", NEGATIVE_OK), ("0", zero_ok)) if field.name not in ok]
+            values += ["1", "1.5"] if field.name in LOWER_CLIPS else []
             cases += [(flag, value) for value in values]
         elif field.name in CHOICES:
             cases.append((flag, "unknown"))
@@ -665,7 +676,7 @@ def walks(tmp_path_factory):
     def one(script):
         base = ["--checkpoints", "assets/tiny/sft"] if script == "evaluate.py" else []
         return forked_runs(script, [[*base, flag, value] for flag, value in cases[script]],
-                           directories[script] / "walk.json", mode="validate")
+                           directories[script] / "walk.json", env={"HF_HUB_OFFLINE": "1"}, mode="validate")
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         return {script: (cases[script], results) for script, results in zip(WALK_SCRIPTS, pool.map(one, WALK_SCRIPTS))}
 
@@ -754,6 +765,20 @@ def test_every_dataset_field_and_deepspeed_setting_out_of_its_domain_ends_in_one
         if not (returncode == 2 and len(errors) == 1 and errors[0].startswith(f"error: {argument}:")):
             wrong.append((arguments[-1], returncode, errors[:1] or stderr[-300:]))
     assert len(cases) >= 10 and not wrong, wrong
+
+
+def test_a_diverging_policy_stops_at_that_update_in_one_line_and_saves_nothing(tmp_path):
+    """A learning rate that blows the policy up (its outputs overflow after the first update): the run stops there,
+    naming the update and the learning rate, before the next sampling would fail in torch, and before the checkpoint
+    --save-every 1 asks for at that update."""
+    result = run_script("rloo.py", "--learning-rate", "1e8", "--total-episodes", "256", "--per-device-train-batch-size",
+                        "16", "--save-every", "1", "--eval-every", "0", "--output-dir", str(tmp_path), check=False)
+    errors = [line for line in result.stderr.replace("\r", "\n").splitlines() if line.startswith("error:")]
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert errors == ["error: the policy diverged at update 1: its weights or outputs are inf or NaN; lower "
+                      "--learning-rate (now 1e+08) or look for a non-finite reward; no checkpoint was written yet "
+                      "(--save-every saves more often)"], errors
+    assert not glob.glob(str(tmp_path / "*" / "checkpoint-*"))
 
 
 def test_bad_input_in_a_process_of_its_own_as_a_user_runs_it():
