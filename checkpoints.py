@@ -22,15 +22,29 @@ from checks import fail
 SCRIPT = os.path.basename(sys.argv[0])  # the script that runs (a copy too: my_rloo.py), named in its checkpoints
 
 
-RESUME_KEEPS = ("seed", "dataset_name", "dataset_train_split", "max_prompt_length", "response_length", "k",
-                "per_device_train_batch_size", "gradient_accumulation_steps", "num_mini_batches", "total_episodes",
-                "world_size", "off_policy_steps", "sync", "bf16")  # (bf16: DeepSpeed names its state files by it)
+# The arguments a resumed run may change, and why. Every other argument of the script's Args must be the checkpoint's:
+# it decides which prompts an update takes, or how its batch is made, sampled, scored or trained on from the restored
+# state (tests/test_plumbing.py holds every script's Args to this).
+RESUME_MAY_CHANGE = {
+    "exp_name": "it names the run", "track": "logging", "wandb_project_name": "logging", "wandb_entity": "logging",
+    "output_dir": "where new runs go", "resume": "the checkpoint itself", "local_rank": "the launcher sets it",
+    "eval_every": "evaluation only", "num_eval_prompts": "evaluation only", "dataset_eval_split": "evaluation only",
+    "gold_reward_model_path": "evaluation only", "save_every": "when checkpoints are written",
+    "sft_model_path": "a path: the same model may lie elsewhere on resume (the policy's weights are the checkpoint's)",
+    "reward_model_path": "a path: the same model may lie elsewhere on resume",
+    "deepspeed_config": "a path; DeepSpeed itself refuses the state of another ZeRO stage",
+    "trust_remote_code": "a permission", "gradient_checkpointing": "memory, not values",
+    "generation_timeout": "how long to wait", "check_weights_every": "a check, not what is learned",
+    "vllm_gpu": "placement", "vllm_gpu_memory_utilization": "memory", "vllm_cpu_cores": "placement",
+    "vllm_enforce_eager": "vLLM's speed (its compiled kernels may round differently)",
+    "weight_sync": "how the weights reach vLLM, not which",
+}
 
 
 def check_resume(args):
-    """--resume names a run or checkpoint directory of this script, written with this run's RESUME_KEEPS: the
-    arguments that decide which prompts each update takes, how its batches are made and sampled, and (in *_vllm.py)
-    how stale they are, so that the resumed run repeats the stopped one. Others (logging, evaluation) may change."""
+    """--resume names a run or checkpoint directory of this script, written with this run's arguments but those of
+    RESUME_MAY_CHANGE (logging, evaluation, placement): so that the resumed run repeats the stopped one. `--bf16` is
+    among them (DeepSpeed names its state files by it), and the number of processes."""
     if args.resume is None:
         return
     if not os.path.isdir(args.resume):
@@ -44,8 +58,8 @@ def check_resume(args):
         fail("resume", f"cannot read {path}: {error}")
     if script not in (None, SCRIPT):
         fail("resume", f"{args.resume} holds a checkpoint of {script}, not of {SCRIPT}")
-    for name in RESUME_KEEPS:
-        if name in saved and hasattr(args, name) and getattr(args, name) != saved[name]:
+    for name in sorted(saved.keys() - RESUME_MAY_CHANGE.keys()):
+        if hasattr(args, name) and getattr(args, name) != saved[name]:
             what = "processes" if name == "world_size" else f"as --{name.replace('_', '-')}"
             fail("resume", f"{path} was written with {saved[name]} {what}, this run has {getattr(args, name)}: "
                            "a resumed run must keep it")

@@ -23,7 +23,7 @@ import deepspeed
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import ROOT, SCRIPTS, TINY
+from conftest import ALGORITHMS, ROOT, SCRIPTS, TINY
 from deepspeed.runtime.config import DeepSpeedConfig
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
@@ -794,3 +794,33 @@ def test_a_hub_id_this_machine_cannot_read_stops_in_one_line_within_seconds(caps
     error = capsys.readouterr().err
     assert exit.value.code == 2 and error.count("\n") == 1 and time.time() - started < 15, error
     assert error.startswith("error: --sft-model-path: some-org/no-such-model is not a local directory, and the "), error
+
+
+@pytest.mark.parametrize("script", ALGORITHMS)
+def test_a_resume_refuses_every_argument_that_decides_what_is_learned(script, tmp_path, capsys):
+    """Every argument of a script's Args must be the checkpoint's when a run resumes, but those RESUME_MAY_CHANGE names
+    with the reason why (logging, evaluation, placement, paths): a resume that changes the temperature, TBA's buffer,
+    GRPO's loss type or any other silently becomes another run."""
+    module = importlib.import_module(script.removesuffix(".py"))
+    args = module.Args()
+    saved = dataclasses.asdict(args)
+    (tmp_path / "trainer_state.json").write_text(json.dumps({"update": 2, "episode": 128, "args": saved}))
+    args.resume = str(tmp_path)
+    refused = []
+    for name in saved:
+        (tmp_path / "trainer_state.json").write_text(json.dumps(
+            {"update": 2, "episode": 128, "args": {**saved, name: ["a value of another run"]}}))
+        try:
+            checkpoints.check_resume(args)
+        except SystemExit as exit:
+            assert exit.code == 2
+            refused.append(name)
+            assert f"--{name.replace('_', '-')}" in capsys.readouterr().err or name == "world_size"
+    assert sorted(refused) == sorted(set(saved) - set(checkpoints.RESUME_MAY_CHANGE))
+
+
+def test_every_argument_a_resume_may_change_is_an_argument_with_a_reason():
+    arguments = {field for script in ALGORITHMS
+                 for field in importlib.import_module(script.removesuffix(".py")).Args.__dataclass_fields__}
+    assert set(checkpoints.RESUME_MAY_CHANGE) <= arguments, set(checkpoints.RESUME_MAY_CHANGE) - arguments
+    assert all(len(reason) > 5 for reason in checkpoints.RESUME_MAY_CHANGE.values())
