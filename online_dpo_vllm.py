@@ -190,6 +190,13 @@ def dpo_loss(chosen_logratios, rejected_logratios, beta, loss_type):
     return losses.mean()
 
 
+def mismatch_kl(proximal_logprobs, behaviour_logprobs, mask):
+    """KL(pi_behaviour || pi_prox) per response token on the behaviour policy's samples: r - 1 - log r with r = pi_prox
+    / pi_behaviour (Schulman's k3: unbiased, never negative); log r bounded at 20 (no inf or NaN)."""
+    log_r = (proximal_logprobs - behaviour_logprobs).clamp(max=20)
+    return masked_mean(torch.exp(log_r) - 1 - log_r, mask).item()
+
+
 def generating_version(update, first_version, off_policy_steps):
     """The paper's schedule: the policy version that generates batch `update` (version v is the policy after v
     updates) is the one off_policy_steps (K) updates before the version that trains on it, never one before the run
@@ -253,6 +260,7 @@ def main(args):
         responses = truncate_response(right_pad(batch.responses[rank], pad, device), stop_id, pad)
         query_responses = torch.cat([queries, responses], 1)
         padding_mask = responses == pad  # everything after the response
+        behaviour_logprobs = right_pad(batch.logprobs[rank], 0.0, device).masked_fill(padding_mask, 0.0)
         t1 = time.time()
 
         # 2. Score: log-probabilities under the reference and reward-model scores. The policy's log-probabilities
@@ -280,15 +288,17 @@ def main(args):
         num_prompts = args.local_batch_size // args.k
         mini_batch_prompts = num_prompts // args.num_mini_batches
         micro_batch_prompts = args.per_device_train_batch_size // args.k
-        for _ in range(args.num_ppo_epochs):
+        sampled = []  # (responses, their log-probabilities) of the first mini-batch, before its step: async/mismatch_kl
+        for epoch in range(args.num_ppo_epochs):
             order = torch.randperm(num_prompts, device=device)
             for mini_start in range(0, num_prompts, mini_batch_prompts):
                 for micro_start in range(mini_start, mini_start + mini_batch_prompts, micro_batch_prompts):
                     prompts = order[micro_start: micro_start + micro_batch_prompts]
                     idx = torch.cat([chosen[prompts], rejected[prompts]])  # chosen first, then rejected
                     logits = forward(policy, query_responses[idx], pad).logits
-                    new_logprobs = response_logprobs(logits, responses[idx], context_length, args.temperature)
-                    new_logprobs = new_logprobs.masked_fill(padding_mask[idx], 0.0).sum(1)
+                    token_logprobs = response_logprobs(logits, responses[idx], context_length, args.temperature)
+                    token_logprobs = token_logprobs.masked_fill(padding_mask[idx], 0.0)
+                    new_logprobs = token_logprobs.sum(1)
                     new_logratios = new_logprobs - ref_logprobs[idx].sum(1)
                     chosen_logratios, rejected_logratios = new_logratios.chunk(2)
                     loss = dpo_loss(chosen_logratios, rejected_logratios, args.beta, args.loss_type)
@@ -306,6 +316,8 @@ def main(args):
                         stats["kl"].append(new_logratios.mean())
                         stats["logps"].append(new_logprobs.mean())
                         stats["scores"].append(scores[idx].mean())
+                        if epoch == 0 and mini_start == 0:
+                            sampled.append((idx, token_logprobs.detach()))
         logits = None  # batch x length x vocabulary: not held through the steps that follow
         get_accelerator().synchronize()  # a GPU may still run the optimizer's step: it counts as training
         # Weights or outputs that became inf or NaN stop the run here, before they are used or saved.
@@ -316,7 +328,9 @@ def main(args):
         waited = generation.hand_over(policy, update)  # seconds waiting for the generator's older batches: idle
         t4 = time.time()
 
-        # 6. Log, evaluate, save.
+        # 6. Log, evaluate, save (async/mismatch_kl: vLLM's log-probabilities of the pairs of the first mini-batch
+        #    against the learner's before its step, which are the same policy's on-policy).
+        sampled_idx = torch.cat([idx for idx, _ in sampled])
         episode += args.batch_size
         step_means = {name: torch.stack(per_step).mean().item() for name, per_step in stats.items()}
         metrics = mean_over_ranks({
@@ -341,6 +355,8 @@ def main(args):
             "val/num_eos_tokens": (responses == stop_id).sum().item() * args.world_size,
             "val/response_length": (~padding_mask).sum(1).float().mean().item(),
             "async/off_policy_steps": update - 1 - batch.version,
+            "async/mismatch_kl": mismatch_kl(torch.cat([lp for _, lp in sampled]), behaviour_logprobs[sampled_idx],
+                                             ~padding_mask[sampled_idx]),
             "time/vllm_generation": batch.generation_time,
             "time/generation_wait": t1 - t0 + waited,
             "time/scoring": t2 - t1,

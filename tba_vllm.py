@@ -237,6 +237,13 @@ class ReplayBuffer:
         self.newest, self.responses = state["newest"], state["responses"]
 
 
+def mismatch_kl(proximal_logprobs, behaviour_logprobs, mask):
+    """KL(pi_behaviour || pi_prox) per response token on the behaviour policy's samples: r - 1 - log r with r = pi_prox
+    / pi_behaviour (Schulman's k3: unbiased, never negative); log r bounded at 20 (no inf or NaN)."""
+    log_r = (proximal_logprobs - behaviour_logprobs).clamp(max=20)
+    return masked_mean(torch.exp(log_r) - 1 - log_r, mask).item()
+
+
 def generating_version(update, first_version, off_policy_steps):
     """The paper's schedule: the policy version that generates batch `update` (version v is the policy after v
     updates) is the one off_policy_steps (K) updates before the version that trains on it, never one before the run
@@ -302,17 +309,22 @@ def main(args):
         query_responses = torch.cat([queries, responses], 1)
         t1 = time.time()
 
-        # 2. Score them, and their log-probabilities under the reference (fixed: kept in the buffer with them).
-        ref_logprobs, scores = [], []
+        # 2. Score them, and their log-probabilities under the reference (fixed: kept in the buffer with them) and
+        #    under the learner's policy (for async/mismatch_kl only: the buffer, not this batch, is trained on).
+        logprobs, ref_logprobs, scores = [], [], []
         with torch.no_grad():
             for i in range(0, len(query_responses), args.per_device_train_batch_size):
                 chunk = query_responses[i: i + args.per_device_train_batch_size]
                 chunk_responses = chunk[:, context_length:]
+                logprobs.append(response_logprobs(forward(policy, chunk, pad).logits, chunk_responses, context_length,
+                                                  args.temperature))
                 ref_logprobs.append(response_logprobs(forward(ref_policy, chunk, pad).logits, chunk_responses,
                                                       context_length, args.temperature))
                 scores.append(score_responses(args, reward_model, chunk, context_length,
                                               answers[i: i + args.per_device_train_batch_size], tokenizer))
         ref_logprobs = torch.cat(ref_logprobs).masked_fill(responses == pad, 0.0).sum(1)
+        behaviour_logprobs = right_pad(batch.logprobs[rank], 0.0, device).masked_fill(responses == pad, 0.0)
+        mismatch = mismatch_kl(torch.cat(logprobs).masked_fill(responses == pad, 0.0), behaviour_logprobs, responses != pad)
         raw_scores = torch.cat(scores)
         scores = apply_missing_eos_penalty(raw_scores, responses, stop_id, args.missing_eos_penalty,
                                            args.missing_eos_mode)
@@ -386,6 +398,7 @@ def main(args):
             "val/num_eos_tokens": (responses == stop_id).sum().item() * args.world_size,
             "val/response_length": (responses != pad).sum(1).float().mean().item(),
             "async/off_policy_steps": update - 1 - batch.version,
+            "async/mismatch_kl": mismatch,
             "time/vllm_generation": batch.generation_time,
             "time/generation_wait": t1 - t0 + waited,
             "time/scoring": t2 - t1,
