@@ -257,8 +257,8 @@ class GenerationThread:
         shutil.rmtree(self.weights_dir, ignore_errors=True)
 
     def raise_if_failed(self):
-        if isinstance(self.error, WeightsDiffer):
-            raise SystemExit(f"error: {self.error}")
+        if isinstance(self.error, WeightsDiffer):  # the weight check, run in the thread after a hand-off
+            raise GenerationFailed(str(self.error))
         if engine_dead(self.llm):  # first: the likeliest cause of an error in the thread too
             raise GenerationFailed(f"the generator failed: vLLM's engine process died{engine_exit(self.llm)}")
         if self.error is not None:

@@ -365,3 +365,30 @@ def test_vllm_never_outlives_a_learner_killed_with_sigkill(tmp_path):
         time.sleep(0.5)
     left = [(p.pid, p.name()) for p in children if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
     assert not left, f"processes outlived the learner: {left}"
+
+
+# verl's and ms-swift's bug (the generator silently kept sampling from an old policy): one version of the policy never
+# reaches vLLM. The run itself, with its generator's loading of version 2 skipped.
+SKIPPED_HAND_OFF = """
+import runpy, sys
+import generator
+load = generator.load_into_vllm
+generator.load_into_vllm = lambda llm, path: None if path.endswith("policy-2") else load(llm, path)
+sys.argv = ["online_dpo_vllm.py", *sys.argv[1:]]
+runpy.run_path("online_dpo_vllm.py", run_name="__main__")
+"""
+
+
+def test_a_hand_off_that_never_reaches_vllm_stops_the_run_at_its_scheduled_check(tmp_path):
+    """With --check-weights-every 2, version 2 is checked once vLLM has loaded it: a version that never arrived stops
+    the run there, in one line naming it, instead of training on for ever from a stale policy."""
+    result = subprocess.run([sys.executable, "-c", SKIPPED_HAND_OFF, "--vllm-enforce-eager", "--weight-sync", "file",
+                             "--check-weights-every", "2", "--learning-rate", "1e-3", "--total-episodes", "512",
+                             "--eval-every", "0", "--num-eval-prompts", "8", "--output-dir", str(tmp_path)],
+                            cwd=ROOT, env={**os.environ, "WANDB_MODE": "offline", "PYTHONPATH": ROOT},
+                            capture_output=True, text=True, timeout=600)
+    errors = [line for line in result.stderr.replace("\r", "\n").splitlines() if line.startswith("error:")]
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert len(errors) == 1 and errors[0].startswith("error: vLLM does not hold version 2 of the learner's policy: "
+                                                     "its log-probabilities of the probe differ by "), errors
+    assert len(read_metrics(run_dir_of(tmp_path))) < 8  # it stopped early: 8 updates and the evaluation at 0
