@@ -4,12 +4,16 @@ weights are replaced from a save_pretrained directory, bounded waits on it, and 
 is learned; the sampling request itself is the script's (vllm_generate)."""
 
 import contextlib
+import copy
 import importlib.metadata
+import json
+import logging
 import os
 import queue
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
@@ -204,10 +208,37 @@ def start_vllm(args, model_path, weight_transfer=False, largest_bytes=0):
         engine_args["weight_transfer_config"] = {"backend": backend}
         if backend == "ipc":
             allow_pickled_rpc(os.environ)
-    with environment(env):  # set while the engine starts, restored after
-        llm = LLM(**engine_args)
+    with tempfile.TemporaryDirectory() as logging_dir:
+        env.update(logging_without_reload_noise(logging_dir))
+        with environment(env):  # set while the engine starts (its processes read them then), restored after
+            llm = LLM(**engine_args)
     reap_when_the_learner_dies(llm)
     return llm
+
+
+class ReloadNoise(logging.Filter):
+    """vLLM's `RotaryEmbedding: Failed to load weights` at every reload: its layer-wise reload counts the rotary cache,
+    a buffer no checkpoint holds, as a weight, and then puts the cache back. True of every reload, so not news; the
+    same line for any other layer (a weight genuinely missing) passes."""
+
+    def filter(self, record):
+        return not (record.msg == "%s: Failed to load weights" and record.args == ("RotaryEmbedding",))
+
+
+def logging_without_reload_noise(directory):
+    """The environment that gives vLLM's engine processes its default logging configuration with ReloadNoise on its
+    handler (a file in `directory`, read as each process starts); none where the user configures vLLM's logging."""
+    if os.environ.get("VLLM_LOGGING_CONFIG_PATH") or os.environ.get("VLLM_CONFIGURE_LOGGING") == "0":
+        return {}
+    from vllm.logger import DEFAULT_LOGGING_CONFIG
+
+    config = copy.deepcopy(DEFAULT_LOGGING_CONFIG)
+    config["filters"] = {"reload_noise": {"()": f"{__name__}.ReloadNoise"}}
+    config["handlers"]["vllm"]["filters"] = ["reload_noise"]
+    path = os.path.join(directory, "vllm_logging.json")
+    with open(path, "w") as f:
+        json.dump(config, f)
+    return {"VLLM_LOGGING_CONFIG_PATH": path}
 
 
 # Run by a process of its own, started after vLLM's engine: waits on a pipe only the learner holds, which closes
