@@ -121,7 +121,9 @@ def save_checkpoint(args, run_dir, update, episode, engines, extra_files=None, r
             os.makedirs(tmp)
         dist.barrier()
         for name, engine in engines.items():
-            engine.save_checkpoint(os.path.join(tmp, "training_state"), tag=name, save_latest=False)
+            # With LoRA the frozen base weights are not saved (the run reloads them from --sft-model-path).
+            engine.save_checkpoint(os.path.join(tmp, "training_state"), tag=name, save_latest=False,
+                                   exclude_frozen_parameters=True)
             state_dict = gathered_state_dict(engine)
             if dist.get_rank() == 0:
                 engine.module.save_pretrained(tmp if name == "policy" else os.path.join(tmp, name), state_dict=state_dict)
@@ -158,7 +160,8 @@ def load_checkpoint(checkpoint, engines):
     checkpoint = chosen[0]
     for name, engine in engines.items():
         engine.checkpoint_engine = SafeCheckpointEngine()
-        engine.load_checkpoint(os.path.join(checkpoint, "training_state"), tag=name)
+        frozen = any(not p.requires_grad for p in engine.module.parameters())  # LoRA's base: not in the checkpoint
+        engine.load_checkpoint(os.path.join(checkpoint, "training_state"), tag=name, load_module_strict=not frozen)
     rng = torch.load(os.path.join(checkpoint, "training_state", f"rng_rank{dist.get_rank()}.pt"), weights_only=True)
     torch.set_rng_state(rng["torch"])
     if rng.get("device", get_accelerator().device_name()) == get_accelerator().device_name():  # a GPU's fits no CPU

@@ -183,6 +183,30 @@ def check_bounds(args, positive=(), at_least_0=(), lower_clips=()):
                        f"{1 - getattr(args, name):g}, got {getattr(args, name)}")
 
 
+def check_lora(args):
+    """--lora-rank 0 (full fine-tuning) or a LoRA adapter: a positive alpha, a dropout in [0, 1), target modules the
+    policy has (its module names read from an empty, meta-device copy: nothing loads)."""
+    if args.lora_rank < 0:
+        fail("lora_rank", f"must be 0 (full fine-tuning) or positive, got {args.lora_rank}")
+    if args.lora_alpha <= 0:
+        fail("lora_alpha", f"must be positive (the adapter's output is scaled by lora_alpha / lora_rank), got {args.lora_alpha}")
+    if not 0 <= args.lora_dropout < 1:
+        fail("lora_dropout", f"must be in [0, 1), got {args.lora_dropout}")
+    if args.lora_rank == 0 or args.lora_target_modules == "all-linear":
+        return
+    from transformers import AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(args.sft_model_path, trust_remote_code=args.trust_remote_code)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, trust_remote_code=args.trust_remote_code)
+    linear = sorted({name.rsplit(".", 1)[-1] for name, module in model.named_modules()
+                     if isinstance(module, torch.nn.Linear)})
+    missing = [name for name in args.lora_target_modules.split(",") if name not in linear]
+    if missing:
+        fail("lora_target_modules", f"the policy has no linear layer {missing[0]!r}: it has {', '.join(linear)} "
+                                    "(or use all-linear)")
+
+
 def check_numbers(args):
     """Every number argument is finite and the seed one that every generator takes."""
     for name, value in asdict(args).items():

@@ -153,6 +153,16 @@ def load_model(args, path, reward=False, trained=False):
     return model
 
 
+def with_lora(args, model):
+    """`model` as a peft model whose only trained weights are a LoRA adapter (--lora-rank, --lora-alpha, --lora-dropout
+    on --lora-target-modules: all-linear is every linear layer but the output layer); the base weights are frozen."""
+    from peft import LoraConfig, get_peft_model
+
+    targets = args.lora_target_modules if args.lora_target_modules == "all-linear" else args.lora_target_modules.split(",")
+    return get_peft_model(model, LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
+                                            target_modules=targets))
+
+
 def prompt_batch(num_prompts, per_rank, update, seed, rank, world_size):
     """This rank's prompt indices for generation batch `update`: shuffled epochs, no repeats within one."""
     per_batch = per_rank * world_size

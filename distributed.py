@@ -96,6 +96,17 @@ def frozen_engine(args, model):
     return deepspeed.initialize(model=model.eval(), config=ds_config(args, train=False))[0]
 
 
+@contextlib.contextmanager
+def reference_model(policy, ref_policy):
+    """The frozen reference to run forward: `ref_policy`, or with LoRA (no ref_policy) the policy itself with its
+    adapter switched off (peft's disable_adapter): the base weights, no second copy of them."""
+    if ref_policy is not None:
+        yield ref_policy
+        return
+    with policy.module.disable_adapter():
+        yield policy
+
+
 def mean_over_ranks(stats, device):
     """Average a dict of floats over all processes (on the device: NCCL reduces only CUDA tensors)."""
     values = torch.tensor(list(stats.values()), dtype=torch.float64, device=device)

@@ -551,6 +551,9 @@ BAD_INPUT = [  # (script, arguments, the argument the error must name)
     ("bok_vllm.py", ["--deepspeed-config", "OVERLAP_MAYBE"], "--deepspeed-config"),
     ("online_dpo.py", ["--deepspeed-config", "OVERLAP_MAYBE"], "--deepspeed-config"),
     ("bok_vllm.py", ["--vllm-gpu", "0"], "--vllm-gpu"),
+    # LoRA: a dropout of 1 drops every input, a layer the policy lacks.
+    ("rloo.py", ["--lora-rank", "8", "--lora-dropout", "1"], "--lora-dropout"),
+    ("rloo.py", ["--lora-rank", "8", "--lora-target-modules", "q_proj,v_proj"], "--lora-target-modules"),
     ("rloo.py", ["--k", "4", "--resume", "RLOO_RUN_K4", "--stop-token", "no such token"], "--stop-token"),  # found
     # once the tokenizer has loaded, and still before anything is written into the run it resumes
 ]
@@ -599,7 +602,7 @@ COMPUTED = {"local_rank", "world_size", "local_batch_size", "batch_size", "num_u
 NEGATIVE_OK = {"missing_eos_penalty"}
 ZERO_OK = {"seed", "missing_eos_penalty", "kl_coef", "beta", "gamma", "lam", "is_cap", "eval_every", "save_every",
            "check_weights_every", "overlong_buffer", "dynamic_sampling_rounds", "beta_anneal_updates", "recent_prob",
-           "inv_temp"}  # (0: none, never, or uniformly)
+           "inv_temp", "lora_rank", "lora_dropout"}  # (0: none, never, uniformly, or full fine-tuning)
 CHOICES = ("missing_eos_mode", "loss_type", "is_level", "is_mode", "weight_sync", "rule_reward", "backend")
 
 
