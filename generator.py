@@ -25,9 +25,9 @@ from transformers import AutoTokenizer
 
 from checkpoints import latest_checkpoint, resume_hint
 from data import prompt_batch
-from vllm_engine import (engine_dead, engine_exit, in_memory_backend, load_into_vllm, pin_vllm_to_its_cores, shut_down,
-                         start_vllm, vllm_gpu, wait_for)
-from weight_handoff import (VllmClient, WeightsDiffer, check_vllm_weights, digests_to_check, expected_weights,
+from vllm_engine import (add_adapter, engine_dead, engine_exit, in_memory_backend, load_into_vllm, pin_vllm_to_its_cores,
+                         shut_down, start_vllm, swap_adapter, vllm_gpu, wait_for)
+from weight_handoff import (VllmClient, WeightsDiffer, check_vllm_weights, digests_to_check, expected_weights, is_lora,
                             save_for_vllm, send_weights, vllm_digests, weight_transfer, weights_root)
 
 
@@ -40,8 +40,10 @@ class AsyncGeneration:
     GenerationThread generates batch t with version schedule(t, start_update, off_policy_steps). Later versions go in
     memory (--weight-sync memory) or through save_pretrained directories, in /dev/shm if it has room for the K + 1
     versions that can be in flight at once, else in the run directory, each deleted once loaded; rank 0's process id
-    keeps two runs of one name (a sweep) apart. `sample` is the script's sampling request (vllm_generate); `probe`,
-    token lists whose log-probabilities the weight check compares."""
+    keeps two runs of one name (a sweep) apart. With LoRA (a peft policy) vLLM starts from the base model and each
+    version is only the adapter's directory, which vLLM adds as an adapter of its own while it drops the one before
+    (vllm_engine.swap_adapter); the base weights are never reloaded. `sample` is the script's sampling request
+    (vllm_generate); `probe`, token lists whose log-probabilities the weight check compares."""
 
     def __init__(self, args, policy, run_dir, tokenizer, stop_id, train_prompts, probe, k, start_update,
                  off_policy_steps, schedule, sample):
@@ -59,7 +61,9 @@ class AsyncGeneration:
                     print(f"vLLM shares rank 0's GPU with {args.world_size} training ranks: the weights go through "
                           "files (--weight-sync file); vLLM's CUDA IPC hand-off would strand a buffer on every other "
                           "rank at every update", flush=True)
-        version_bytes = sum(getattr(p, "ds_numel", p.numel()) for p in policy.module.parameters()) * (2 if args.bf16 else 4)
+        lora = is_lora(policy.module)  # then only the adapter goes to vLLM, which keeps the base weights it started with
+        handed = [p for p in policy.module.parameters() if p.requires_grad or not lora]
+        version_bytes = sum(getattr(p, "ds_numel", p.numel()) for p in handed) * (2 if args.bf16 else 4)
         copies = 1 if self.in_memory else off_policy_steps + 1
         root = weights_root(run_dir, copies * version_bytes) if self.rank == 0 else run_dir  # only rank 0 writes
         self.weights_dir = os.path.join(root, f"{os.path.basename(run_dir)}-{os.getpid()}-weights")
@@ -67,21 +71,27 @@ class AsyncGeneration:
         atexit.register(shutil.rmtree, self.weights_dir, ignore_errors=True)
         first = os.path.join(self.weights_dir, f"policy-{start_update}")
         save_for_vllm(policy, first)
-        llm = None
+        llm = adapter = None
         if self.rank == 0:
-            AutoTokenizer.from_pretrained(args.sft_model_path, trust_remote_code=args.trust_remote_code).save_pretrained(first)
             largest = max(getattr(p, "ds_numel", p.numel()) * p.element_size() for p in policy.module.parameters())
-            try:
-                llm = start_vllm(args, first, self.in_memory, largest)
+            if not lora:
+                AutoTokenizer.from_pretrained(args.sft_model_path, trust_remote_code=args.trust_remote_code).save_pretrained(first)
+            try:  # with LoRA from the base model, and version start_update's adapter
+                llm = start_vllm(args, args.sft_model_path if lora else first, self.in_memory, largest,
+                                 lora_rank=policy.module.peft_config["default"].r if lora else 0)
+                adapter = add_adapter(llm, start_update, first) if lora else None
             except Exception as error:  # vLLM logged the cause above
                 self.stop(f"vLLM's engine did not start: {(str(error).strip().splitlines() or [repr(error)])[0]}")
-            shutil.rmtree(first)
+            if not lora:
+                shutil.rmtree(first)
+            print(f"the policy goes to vLLM after each update {'in memory' if self.in_memory else 'as files'}: "
+                  f"{'its LoRA adapter, ' if lora else ''}{version_bytes / 2**20:.1f} MiB", flush=True)
             resumed = load_generated_batches(latest_checkpoint(args.resume)) if args.resume else []
             self.thread = GenerationThread(args, llm, sample, schedule, weights_dir=self.weights_dir,
                                            train_prompts=train_prompts, prompts_per_rank=args.local_batch_size // k,
                                            k=k, stop_id=stop_id, first_version=start_update,
                                            off_policy_steps=off_policy_steps, probe=probe, in_memory=self.in_memory,
-                                           resumed_batches=resumed)
+                                           adapter=adapter, resumed_batches=resumed)
             atexit.register(self.thread.close)  # on every way out: the end, an error, Ctrl-C, SIGTERM
         # The weight check (--check-weights-every): vLLM's log-probabilities of the probe against the learner's, and the
         # digests of the tensors vLLM keeps as the learner does (found now: on a GPU every one, the fused q/k/v and
@@ -92,9 +102,10 @@ class AsyncGeneration:
             expected = expected_weights(policy, probe, None, self.pad_id, policy.device)
             if self.rank == 0:
                 try:
-                    checked_names = [digests_to_check(expected.digests, vllm_digests(llm), torch.cuda.is_available())]
+                    checked_names = [digests_to_check(expected.digests, vllm_digests(llm, adapter),
+                                                      torch.cuda.is_available())]
                     check_vllm_weights(llm, start_update, probe, expected._replace(
-                        digests={n: expected.digests[n] for n in checked_names[0]}), args.bf16)
+                        digests={n: expected.digests[n] for n in checked_names[0]}), args.bf16, adapter)
                 except WeightsDiffer as error:
                     sys.exit(f"error: {error}")
             dist.broadcast_object_list(checked_names, src=0)
@@ -204,8 +215,9 @@ class GenerationThread:
     --generation-timeout; a generator error or vLLM's engine dying is raised in the learner."""
 
     def __init__(self, args, llm, vllm_generate, schedule, *, weights_dir, train_prompts, prompts_per_rank, k, stop_id,
-                 first_version, off_policy_steps, probe, in_memory, resumed_batches=()):
+                 first_version, off_policy_steps, probe, in_memory, adapter=None, resumed_batches=()):
         self.args, self.llm, self.weights_dir, self.stop_id, self.probe = args, llm, weights_dir, stop_id, probe
+        self.adapter = adapter  # with LoRA: the LoRARequest of the version vLLM generates with
         self.vllm_generate, self.schedule = vllm_generate, schedule  # the script's sampling request and schedule
         self.in_memory = in_memory
         self.train_prompts, self.prompts_per_rank, self.k = train_prompts, prompts_per_rank, k
@@ -287,13 +299,15 @@ class GenerationThread:
                     # however long they take; the learner's own waits are bounded, and its stopping ends this one.
                     loaded, weights_path, finish, expected = self._take(self.versions, "waiting for new weights",
                                                                         check=lambda: None, timeout=math.inf)
-                    if weights_path is not None:
+                    if self.adapter is not None:  # LoRA: the new adapter in, the old one out (the base stays)
+                        self.adapter = swap_adapter(self.llm, self.adapter, loaded, weights_path)
+                    elif weights_path is not None:
                         load_into_vllm(self.llm, weights_path)
                         shutil.rmtree(weights_path, ignore_errors=True)
                     if finish is not None:
                         finish()
                     if expected is not None:
-                        check_vllm_weights(self.llm, loaded, self.probe, expected, args.bf16)
+                        check_vllm_weights(self.llm, loaded, self.probe, expected, args.bf16, self.adapter)
                 t1 = time.time()
                 # Every rank's prompts, rank after rank, as the synchronous scripts choose them.
                 prompts = [self.train_prompts[i] for r in range(world_size) for i in
@@ -301,7 +315,8 @@ class GenerationThread:
                                         world_size)]
                 # Request i gets this seed + i: seeds never repeat across batches (vllm_generate() says why).
                 responses, logprobs = self.vllm_generate(self.llm, prompts, self.k, args.response_length, self.stop_id,
-                                                    args.temperature, seed=args.seed * 2**32 + update * args.batch_size)
+                                                         args.temperature, seed=args.seed * 2**32 + update * args.batch_size,
+                                                         adapter=self.adapter)
                 # vLLM returns sample j of prompt p at j * len(prompts) + p, and rank r's prompt i is p =
                 # r * prompts_per_rank + i: regroup per rank, sample-major like the synchronous scripts' batches.
                 order = [[j * len(prompts) + r * self.prompts_per_rank + i for j in range(self.k)

@@ -108,7 +108,7 @@ class Args:
 
     # LoRA (--lora-rank 0: full fine-tuning)
     lora_rank: int = 0
-    """train a LoRA adapter of this rank instead of every weight; the reference is then the model with the adapter off"""
+    """train a LoRA adapter of this rank instead of every weight: the reference is the model with the adapter off, and a *_vllm.py hands vLLM only the adapter"""
     lora_alpha: float = 32.0
     """LoRA's scale: the adapter's output is multiplied by lora_alpha / lora_rank"""
     lora_dropout: float = 0.0

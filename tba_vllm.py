@@ -575,11 +575,12 @@ def masked_mean(values, mask):
     return (values * mask).sum() / mask.sum().clamp(min=1)
 
 
-def vllm_generate(llm, prompts, k, response_length, stop_token_id, temperature, seed):
+def vllm_generate(llm, prompts, k, response_length, stop_token_id, temperature, seed, adapter=None):
     """k responses to each prompt (sample j of prompt i at j * len(prompts) + i) and the log-probability of each token
     under the weights that sampled it (the behaviour policy), at the sampling temperature. Request i gets seed + i, so a
     batch depends on the weights and seed only, not on what vLLM generated before (which keeps reruns and resumed runs
-    exact). Temperature 0 is greedy. As in generate(), only the stop token ends a response (and is kept)."""
+    exact). Temperature 0 is greedy. As in generate(), only the stop token ends a response (and is kept). With LoRA,
+    `adapter` is the LoRARequest of the policy's adapter."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -588,7 +589,7 @@ def vllm_generate(llm, prompts, k, response_length, stop_token_id, temperature, 
                                ignore_eos=True, stop_token_ids=[stop_token_id], seed=seed + i, logprobs=0,
                                detokenize=False)  # token ids are all we use: no text decoded in this process
                 for i in range(len(requests))]
-    outputs = [output.outputs[0] for output in llm.generate(requests, sampling, use_tqdm=False)]
+    outputs = [output.outputs[0] for output in llm.generate(requests, sampling, lora_request=adapter, use_tqdm=False)]
     return ([list(out.token_ids) for out in outputs],
             [[step[token].logprob for token, step in zip(out.token_ids, out.logprobs)] for out in outputs])
 

@@ -10,6 +10,7 @@ import json
 import logging
 import os
 import queue
+import shutil
 import signal
 import subprocess
 import sys
@@ -56,6 +57,28 @@ def check_vllm_gpu(args):
     if args.vllm_gpu is not None and not torch.cuda.is_available():
         fail("vllm_gpu", f"names GPU {args.vllm_gpu}, but torch finds no GPU here: vLLM would run on the CPU "
                          "(--vllm-cpu-cores) and the run train there")
+
+
+# The adapter ranks vLLM serves (its LoRAConfig.max_lora_rank); an adapter of a rank in between is served by the next.
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+def served_lora_rank(rank):
+    return next(served for served in VLLM_LORA_RANKS if served >= rank)
+
+
+def check_vllm_lora(args):
+    """With --lora-rank, a rank vLLM serves, and the adapter goes to vLLM as files (a few MB): --weight-sync memory,
+    vLLM's transfer of whole weights, does not apply."""
+    if not args.lora_rank:
+        return
+    if args.lora_rank > VLLM_LORA_RANKS[-1]:
+        fail("lora_rank", f"vLLM serves adapters of rank up to {VLLM_LORA_RANKS[-1]} "
+                          f"({', '.join(map(str, VLLM_LORA_RANKS))}), got {args.lora_rank}")
+    if args.weight_sync == "memory":
+        fail("weight_sync", "with --lora-rank only the adapter goes to vLLM, as a file of a few MB: `memory` "
+                            "(vLLM's transfer of the whole weights) does not apply; leave --weight-sync out")
+    args.weight_sync = "file"
 
 
 def check_weight_sync(args):
@@ -164,12 +187,13 @@ def own_gpu_share(requested, total_bytes, hand_off):
     return requested if requested is not None else int(100 * (0.9 - hand_off / total_bytes)) / 100
 
 
-def start_vllm(args, model_path, weight_transfer=False, largest_bytes=0):
+def start_vllm(args, model_path, weight_transfer=False, largest_bytes=0, lora_rank=0):
     """A vLLM engine for `model_path` in its own process (vLLM's default) on its own device: CUDA_VISIBLE_DEVICES (GPU)
     or VLLM_CPU_OMP_THREADS_BIND (CPU cores), which the engine process reads, are set only while it starts. With
     `weight_transfer` it takes weights in memory (weight_transfer()): in_memory_backend()'s (on a CPU: vLLM's "nccl"
     engine, provided only by the tests' plugin tests/cpu_weight_transfer). Its memory share leaves room for loading new
-    weights, whose largest parameter has `largest_bytes` (hand_off_bytes())."""
+    weights, whose largest parameter has `largest_bytes` (hand_off_bytes()). With a `lora_rank` it serves LoRA adapters
+    of that rank (add_adapter()): two at once, the one it generates with and the next."""
     from vllm import LLM
 
     # Log-probabilities returned with samples are those of the distribution sampled from (after temperature).
@@ -204,6 +228,8 @@ def start_vllm(args, model_path, weight_transfer=False, largest_bytes=0):
         # A prefill split over steps makes vLLM rewind its seeded sampler, which torch's CPU generator cannot do.
         engine_args["enable_chunked_prefill"] = False
         shared = None
+    if lora_rank:
+        engine_args.update(enable_lora=True, max_lora_rank=served_lora_rank(lora_rank), max_loras=1, max_cpu_loras=2)
     if backend is not None:
         engine_args["weight_transfer_config"] = {"backend": backend}
         if backend == "ipc":
@@ -324,6 +350,25 @@ def pin_vllm_to_its_cores(args):
     for thread in threads + [threading.get_native_id()]:
         with contextlib.suppress(OSError):  # a thread that has ended since
             os.sched_setaffinity(thread, cores)
+
+
+def add_adapter(llm, version, path):
+    """Load policy version `version`'s LoRA adapter (a peft save_pretrained directory) into vLLM now, not at the first
+    request that names it; returns the LoRARequest that generates with it."""
+    from vllm.lora.request import LoRARequest
+
+    adapter = LoRARequest(f"policy-{version}", version + 1, path)  # vLLM's adapter ids start at 1
+    llm.llm_engine.add_lora(adapter)
+    return adapter
+
+
+def swap_adapter(llm, adapter, version, path):
+    """Load version `version`'s adapter from `path`, then drop `adapter` (the LoRARequest of the version before, which
+    no batch needs any more) from vLLM and its directory; returns the new LoRARequest. The base weights stay."""
+    new = add_adapter(llm, version, path)
+    llm.llm_engine.remove_lora(adapter.lora_int_id)
+    shutil.rmtree(adapter.lora_path, ignore_errors=True)
+    return new
 
 
 def load_into_vllm(llm, weights_path):

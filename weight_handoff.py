@@ -36,10 +36,25 @@ def weights_root(run_dir, needed_bytes, shm="/dev/shm"):
 
 
 def save_for_vllm(policy, path):
-    """Write the policy's weights where vLLM can load them (write_for_vllm); every rank takes part, rank 0 writes."""
+    """Write the policy's weights where vLLM can load them (write_for_vllm), or with LoRA only its adapter (peft's
+    save_pretrained); every rank takes part, rank 0 writes."""
     state_dict = gathered_state_dict(policy)
     if dist.get_rank() == 0:
-        write_for_vllm(policy.module, state_dict, path)
+        if is_lora(policy.module):
+            policy.module.save_pretrained(path, state_dict=state_dict)
+        else:
+            write_for_vllm(policy.module, state_dict, path)
+
+
+def is_lora(module):
+    """A peft model: only its LoRA adapter trains and goes to vLLM."""
+    return hasattr(module, "peft_config")
+
+
+def adapter_file_name(name):
+    """The name peft's adapter file gives the LoRA parameter `name` of the base model (peft's own prefix, and no
+    adapter name: `default`)."""
+    return "base_model.model." + name.replace(".default.", ".")
 
 
 def tied_output_names(module):
@@ -248,9 +263,11 @@ def send_weights(transfer, version):
 
 class WeightCheck(NamedTuple):
     """What vLLM must hold after loading a policy version, per the learner at hand-over (check_vllm_weights() compares):
-    the probe tokens' log-probabilities and the digests of the parameters that matched when vLLM started."""
+    the probe tokens' log-probabilities (with LoRA: those of the likeliest next `tokens`) and the digests of the
+    parameters that matched when vLLM started."""
     logprobs: list
     digests: dict
+    tokens: list = None
 
 
 class WeightsDiffer(Exception):
@@ -304,10 +321,17 @@ def digests_to_check(expected, held, on_gpu):
     return names
 
 
-def vllm_digests(llm):
-    """vLLM's digest of each parameter of its model (one worker: no tensor parallelism), by parameter name."""
+def vllm_digests(llm, adapter=None):
+    """vLLM's digest of each parameter of its model (one worker: no tensor parallelism), by parameter name, and with
+    an `adapter` (a LoRARequest) those of the adapter file it was given."""
     (digests,) = llm.collective_rpc("compute_weight_checksums")
-    return {name.rsplit(":", 1)[-1]: digest for name, digest in digests.items()}  # "dp0:pp0:pcp0:tp0:<name>"
+    # "dp0:pp0:pcp0:tp0:<name>"; with LoRA enabled vLLM holds a linear layer's weight as <layer>.base_layer.weight
+    digests = {name.rsplit(":", 1)[-1].replace(".base_layer.", "."): digest for name, digest in digests.items()}
+    if adapter is not None:
+        from safetensors.torch import load_file
+
+        digests.update(weight_digests(load_file(os.path.join(adapter.lora_path, "adapter_model.safetensors")).items()))
+    return digests
 
 
 @torch.no_grad()
@@ -321,25 +345,51 @@ def expected_weights(policy, probe, names, pad_token_id, device):
     logits = policy(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(1) - 1).clamp(min=0),
                     use_cache=False).logits[:, :-1].float()
     logprobs = torch.log_softmax(logits, -1).gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1)
-    parts = None if names is None else {name for name, _ in policy.module.named_parameters(remove_duplicate=False)
-                                        if name in names or fused_name(name) in names}
-    digests = weight_digests(PolicyWeights(policy.module, parts), names)
-    return WeightCheck([row[len(row) - len(p) + 1:].tolist() for row, p in zip(logprobs, probe)], digests)
+    tokens = None
+    if is_lora(policy.module):
+        # check_vllm_weights compares the likeliest next tokens' log-probabilities, and the digests of the frozen base
+        # weights under vLLM's names and of the adapter under its file's
+        logprobs, tokens = torch.log_softmax(logits, -1).max(-1)
+        tokens = [row[len(row) - len(p) + 1:].tolist() for row, p in zip(tokens, probe)]
+        base = PolicyWeights(policy.module.get_base_model())
+        named = ((adapter_file_name(name) if "lora_" in name else name.replace(".base_layer", ""), tensor)
+                 for name, tensor in base)
+        digests = weight_digests(named, names)
+    else:
+        parts = None if names is None else {name for name, _ in policy.module.named_parameters(remove_duplicate=False)
+                                            if name in names or fused_name(name) in names}
+        digests = weight_digests(PolicyWeights(policy.module, parts), names)
+    return WeightCheck([row[len(row) - len(p) + 1:].tolist() for row, p in zip(logprobs, probe)], digests, tokens)
 
 
-def check_vllm_weights(llm, version, probe, expected, bf16):
+def check_vllm_weights(llm, version, probe, expected, bf16, adapter=None):
     """Raise WeightsDiffer (the run stops) unless vLLM holds policy version `version`: its prompt log-probabilities of
-    the probe (temperature 1) within PROBE_TOLERANCE of the learner's, every expected digest equal."""
+    the probe (temperature 1) within PROBE_TOLERANCE of the learner's, every expected digest equal. With LoRA,
+    version's `adapter` must be loaded in vLLM, the probe runs with it, and its file holds the learner's adapter."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    sampling = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0, detokenize=False)
-    outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in probe], sampling, use_tqdm=False)
-    vllm_logprobs = [[step[token].logprob for token, step in zip(p[1:], out.prompt_logprobs[1:])]
-                     for p, out in zip(probe, outputs)]
+    if adapter is not None and (adapter.lora_name != f"policy-{version}" or
+                                adapter.lora_int_id not in llm.llm_engine.list_loras()):
+        raise WeightsDiffer(f"vLLM does not hold the LoRA adapter of version {version} of the learner's policy: it "
+                            f"generates with {adapter.lora_name}'s, and holds adapters "
+                            f"{sorted(llm.llm_engine.list_loras())} (--check-weights-every)")
+    if adapter is None:
+        sampling = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0, detokenize=False)
+        outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in probe], sampling, use_tqdm=False)
+        vllm_logprobs = [[step[token].logprob for token, step in zip(p[1:], out.prompt_logprobs[1:])]
+                         for p, out in zip(probe, outputs)]
+    else:  # vLLM's prompt log-probabilities are wrong under an adapter (vLLM #29955, #51594): a request per prefix
+        # of the probe instead, whose five likeliest next tokens include the learner's likeliest where they agree.
+        sampling = SamplingParams(max_tokens=1, temperature=0, logprobs=5, detokenize=False)
+        prefixes = [p[:t] for p in probe for t in range(1, len(p))]
+        outputs = iter(llm.generate([TokensPrompt(prompt_token_ids=x) for x in prefixes], sampling,
+                                    lora_request=adapter, use_tqdm=False))
+        vllm_logprobs = [[getattr(next(outputs).outputs[0].logprobs[0].get(token), "logprob", -math.inf)
+                          for token in tokens] for tokens in expected.tokens]
     difference = torch.tensor([v - e for got, want in zip(vllm_logprobs, expected.logprobs)
                                for v, e in zip(got, want)]).abs()
-    digests = vllm_digests(llm) if expected.digests else {}
+    digests = vllm_digests(llm, adapter) if expected.digests else {}
     differ = [name for name, digest in expected.digests.items() if digests.get(name) != digest]
     if differ or not difference.mean() <= PROBE_TOLERANCE[bf16]:
         where = (f"parameters that differ: {', '.join(differ[:3])}{' ...' if len(differ) > 3 else ''}" if differ else

@@ -1,26 +1,39 @@
-"""LoRA (--lora-rank) in rloo.py: the policy is a peft model whose adapter alone trains; the reference is the same
-model with the adapter off (no second copy); checkpoints hold the adapter in peft's format.
+"""LoRA (--lora-rank): the policy is a peft model whose adapter alone trains; the reference is the same model with the
+adapter off (no second copy); checkpoints hold the adapter in peft's format; the *_vllm.py scripts hand vLLM only the
+adapter, one version per update, and the weight check covers it.
 
 - the reference is the base model bit for bit, on the tiny model and on SmolLM2 (tied embeddings, a chat template);
 - rloo.py learns with an adapter, starts from the reference exactly, and saves an adapter that peft loads;
-- a run with an adapter resumes exactly from a checkpoint that holds the adapter alone."""
+- a run with an adapter resumes exactly from a checkpoint that holds the adapter alone;
+- vLLM generates with each adapter version as peft computes it (the tiny model and SmolLM2), and the weight check
+  stops a stale adapter (verl's and ms-swift's bug) and a missing one;
+- rloo_vllm.py learns asynchronously with an adapter, its run's weight checks hold, a resumed run repeats it exactly,
+  and an adapter version that never reaches vLLM stops the run at its check."""
 
 import glob
 import os
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
-from conftest import TINY, algorithm_metrics, read_metrics, run_dir_of, run_script
+from conftest import ROOT, TINY, algorithm_metrics, read_metrics, run_dir_of, run_script
+from test_real_model import CHATS, _largest_difference, _vllm_logprobs
 from transformers import AutoModelForCausalLM
 
 import data
 import rloo
+import rloo_vllm
+import vllm_engine
+import weight_handoff
 from distributed import reference_model
+
+pytestmark = pytest.mark.slow  # vLLM engines and script runs: minutes
 
 
 def _engine(model):
-    """What reference_model() takes of a DeepSpeed engine, for a plain (peft) model."""
+    """What reference_model() and the weight check take of a DeepSpeed engine, for a plain (peft) model."""
     return type("Engine", (), {"module": model, "__call__": lambda self, **kw: model(**kw)})()
 
 
@@ -82,3 +95,136 @@ def test_a_run_with_an_adapter_resumes_exactly(tmp_path):
     run_script(*common, "--output-dir", str(tmp_path / "resumed"), "--resume", str(resumed))
     expected, got = algorithm_metrics(read_metrics(run_dir)), algorithm_metrics(read_metrics(resumed))
     assert [row["update"] for row in got] == list(range(5)) and expected == got
+
+
+def _move_adapter(model, seed):
+    """A large step of the adapter alone (a fresh one is the identity: its B is zero)."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.add_(torch.randn(p.shape, generator=generator) * 0.05)
+
+
+@pytest.mark.parametrize("which", ["tiny", "smollm2"])
+def test_vllm_generates_with_each_adapter_version_as_peft_does_and_the_check_stops_a_stale_one(which, request,
+                                                                                                 tmp_path):
+    path = os.path.join(TINY, "sft") if which == "tiny" else os.path.join(request.getfixturevalue("smollm2"), "model")
+    tokenizer = data.load_tokenizer(path, False)  # its pad token is no EOS, as in the scripts
+    texts = ([tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False) for chat in CHATS]
+             if tokenizer.chat_template else ["SUBREDDIT: r/tech\nPOST: my phone", "TL;DR: a new router"])
+    prompts = [tokenizer.encode(text, add_special_tokens=False) for text in texts]
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        base_logits = [model(input_ids=torch.tensor([p])).logits for p in prompts]
+    args = rloo_vllm.Args(bf16=False, response_length=8, max_prompt_length=56, batch_size=4, vllm_enforce_eager=True,
+                          lora_rank=8)
+    args.world_size = 1
+    policy = _engine(data.with_lora(args, model))
+    _move_adapter(policy.module, 0)
+
+    # The reference: the policy with its adapter off is the base model, bit for bit.
+    with torch.no_grad(), reference_model(policy, None) as reference:
+        assert all(torch.equal(reference(input_ids=torch.tensor([p])).logits, logits)
+                   for p, logits in zip(prompts, base_logits))
+    with torch.no_grad():  # the adapter is back on
+        assert not torch.equal(policy(input_ids=torch.tensor([prompts[0]])).logits, base_logits[0])
+
+    policy.module.save_pretrained(tmp_path / "policy-0")
+    llm = vllm_engine.start_vllm(args, path, lora_rank=8)
+    try:
+        adapter = vllm_engine.add_adapter(llm, 0, str(tmp_path / "policy-0"))
+        expected = weight_handoff.expected_weights(policy, prompts, None, tokenizer.pad_token_id, "cpu")
+        names = weight_handoff.digests_to_check(expected.digests, weight_handoff.vllm_digests(llm, adapter), False)
+        assert sum("lora_" in name for name in names) == 2 * len([n for n in expected.digests if "lora_A" in n]) > 0
+        for version in (0, 1, 2):
+            if version:  # an update, then its hand-off: the new adapter in, the old one out
+                _move_adapter(policy.module, version)
+                policy.module.save_pretrained(tmp_path / f"policy-{version}")
+                adapter = vllm_engine.swap_adapter(llm, adapter, version, str(tmp_path / f"policy-{version}"))
+                assert set(llm.llm_engine.list_loras()) == {version + 1} and not (tmp_path / f"policy-{version - 1}").exists()
+            with torch.no_grad():
+                difference = _largest_difference(policy.module, prompts, _vllm_logprobs_with(llm, prompts, adapter))
+            assert difference < 1e-4, (version, difference)
+            weight_handoff.check_vllm_weights(llm, version, prompts, weight_handoff.expected_weights(
+                policy, prompts, names, tokenizer.pad_token_id, "cpu"), bf16=False, adapter=adapter)
+
+        # verl's bug: version 3 never reaches vLLM, which goes on with version 2's adapter.
+        _move_adapter(policy.module, 3)
+        expected = weight_handoff.expected_weights(policy, prompts, names, tokenizer.pad_token_id, "cpu")
+        with pytest.raises(weight_handoff.WeightsDiffer, match=r"version 3 .*it generates with policy-2's"):
+            weight_handoff.check_vllm_weights(llm, 3, prompts, expected, bf16=False, adapter=adapter)
+        # ... and when the request names version 3, the adapter vLLM was given is not the learner's.
+        stale = vllm_engine.add_adapter(llm, 3, str(tmp_path / "policy-2"))
+        with pytest.raises(weight_handoff.WeightsDiffer, match=r"version 3 .* parameters that differ: "
+                                                               r"base_model\.model\..*lora_"):
+            weight_handoff.check_vllm_weights(llm, 3, prompts, expected, bf16=False, adapter=stale)
+        # An adapter vLLM does not hold (never attached, or dropped).
+        llm.llm_engine.remove_lora(stale.lora_int_id)
+        with pytest.raises(weight_handoff.WeightsDiffer, match=r"does not hold the LoRA adapter of version 3"):
+            weight_handoff.check_vllm_weights(llm, 3, prompts, expected, bf16=False, adapter=stale)
+    finally:
+        vllm_engine.shut_down(llm)
+
+
+def _vllm_logprobs_with(llm, prompts, adapter):
+    """_vllm_logprobs under a LoRA adapter."""
+    generate = llm.generate
+    llm.generate = lambda *a, **kw: generate(*a, lora_request=adapter, **kw)
+    try:
+        return _vllm_logprobs(llm, prompts, 4)
+    finally:
+        del llm.generate
+
+
+VLLM_LORA = ["rloo_vllm.py", "--lora-rank", "8", "--learning-rate", "3e-3", "--vllm-enforce-eager",
+             "--check-weights-every", "2", "--eval-every", "2", "--save-every", "2", "--num-eval-prompts", "64"]
+
+
+def test_rloo_vllm_learns_with_an_adapter_and_resumes_exactly(tmp_path):
+    """Asynchronous (one update late), only the adapter handed to vLLM, checked every 2 updates: it learns, and a run
+    resumed from its checkpoint at update 2 (with the batches generated ahead) repeats the rest to the bit."""
+    whole = run_script(*VLLM_LORA, "--total-episodes", "384", "--output-dir", str(tmp_path / "whole"))
+    assert "its LoRA adapter" in whole.stdout and whole.stdout.count("weight check:") == 1
+    run_dir = run_dir_of(tmp_path / "whole")
+    rows = read_metrics(run_dir)
+    assert [row["async/off_policy_steps"] for row in rows[1:]] == [0, 1, 1, 1, 1, 1]
+    scores = [row["eval/scores"] for row in rows if "eval/scores" in row]
+    assert scores[-1] - scores[0] > 1.0, scores
+
+    resumed_dir = tmp_path / "resumed" / os.path.basename(run_dir)
+    shutil.copytree(run_dir, resumed_dir)
+    for later in ("checkpoint-4", "checkpoint-6"):
+        shutil.rmtree(resumed_dir / later)
+    run_script(*VLLM_LORA, "--total-episodes", "384", "--output-dir", str(tmp_path / "resumed"),
+               "--resume", str(resumed_dir))
+    expected, got = algorithm_metrics(rows), algorithm_metrics(read_metrics(resumed_dir))
+    assert [row["update"] for row in got] == list(range(7))
+    for a, b in zip(expected, got):
+        assert a.keys() == b.keys()
+        for key in a:
+            assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-6), (a["update"], key)
+
+
+# verl's and ms-swift's bug with LoRA: an adapter version never reaches vLLM, which goes on generating with the one
+# before. The run itself, with its generator's swap to version 2's adapter skipped.
+SKIPPED_ADAPTER = """
+import runpy, sys
+import generator
+swap = generator.swap_adapter
+generator.swap_adapter = lambda llm, adapter, version, path: adapter if version == 2 else swap(llm, adapter, version, path)
+sys.argv = ["rloo_vllm.py", *sys.argv[1:]]
+runpy.run_path("rloo_vllm.py", run_name="__main__")
+"""
+
+
+def test_an_adapter_that_never_reaches_vllm_stops_the_run_at_its_check(tmp_path):
+    result = subprocess.run([sys.executable, "-c", SKIPPED_ADAPTER, *VLLM_LORA[1:], "--total-episodes", "512",
+                             "--eval-every", "0", "--save-every", "0", "--output-dir", str(tmp_path)],
+                            cwd=ROOT, env={**os.environ, "WANDB_MODE": "offline", "PYTHONPATH": ROOT},
+                            capture_output=True, text=True, timeout=600)
+    errors = [line for line in result.stderr.replace("\r", "\n").splitlines() if line.startswith("error:")]
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert len(errors) == 1 and errors[0].startswith("error: vLLM does not hold the LoRA adapter of version 2 of the "
+                                                     "learner's policy: it generates with policy-1's"), errors
+    assert len(read_metrics(run_dir_of(tmp_path))) < 8

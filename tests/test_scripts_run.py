@@ -551,9 +551,12 @@ BAD_INPUT = [  # (script, arguments, the argument the error must name)
     ("bok_vllm.py", ["--deepspeed-config", "OVERLAP_MAYBE"], "--deepspeed-config"),
     ("online_dpo.py", ["--deepspeed-config", "OVERLAP_MAYBE"], "--deepspeed-config"),
     ("bok_vllm.py", ["--vllm-gpu", "0"], "--vllm-gpu"),
-    # LoRA: a dropout of 1 drops every input, a layer the policy lacks.
+    # LoRA: a dropout of 1 drops every input, a layer the policy lacks, a rank vLLM cannot serve, the whole-weight
+    # transfer with an adapter.
     ("rloo.py", ["--lora-rank", "8", "--lora-dropout", "1"], "--lora-dropout"),
     ("rloo.py", ["--lora-rank", "8", "--lora-target-modules", "q_proj,v_proj"], "--lora-target-modules"),
+    ("rloo_vllm.py", ["--lora-rank", "1024"], "--lora-rank"),
+    ("rloo_vllm.py", ["--lora-rank", "8", "--weight-sync", "memory"], "--weight-sync"),
     ("rloo.py", ["--k", "4", "--resume", "RLOO_RUN_K4", "--stop-token", "no such token"], "--stop-token"),  # found
     # once the tokenizer has loaded, and still before anything is written into the run it resumes
 ]
