@@ -155,12 +155,14 @@ def load_model(args, path, reward=False, trained=False):
 
 def with_lora(args, model):
     """`model` as a peft model whose only trained weights are a LoRA adapter (--lora-rank, --lora-alpha, --lora-dropout
-    on --lora-target-modules: all-linear is every linear layer but the output layer); the base weights are frozen."""
+    on --lora-target-modules: all-linear is every linear layer but the output layer); the base weights are frozen. A
+    sequence classifier (PPO's value model) also trains its `score` head whole (peft's SEQ_CLS task)."""
     from peft import LoraConfig, get_peft_model
 
     targets = args.lora_target_modules if args.lora_target_modules == "all-linear" else args.lora_target_modules.split(",")
+    classifier = model.get_output_embeddings() is None  # a causal LM's output layer is its output embeddings
     return get_peft_model(model, LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
-                                            target_modules=targets))
+                                            target_modules=targets, task_type="SEQ_CLS" if classifier else None))
 
 
 def prompt_batch(num_prompts, per_rank, update, seed, rank, world_size):

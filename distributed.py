@@ -130,13 +130,16 @@ def unwrapped_for_generation(engine):
 
 def gathered_state_dict(engine):
     """The engine's weights for save_pretrained, in rank 0's CPU memory (None elsewhere). Under ZeRO-3 every rank takes
-    part in gathering them one module at a time, so no device ever holds the whole model."""
+    part in gathering them one module at a time, so no device ever holds the whole model; with LoRA only the trained
+    parameters (the adapter: all that peft's save_pretrained writes), never the frozen base."""
     module, rank = engine.module, dist.get_rank()
     if engine.zero_optimization_stage() != 3:
         return module.state_dict() if rank == 0 else None
     state, copies = {}, {}
+    frozen_base = any(not p.requires_grad for p in module.parameters())
     for prefix, submodule in module.named_modules():
-        own = list(submodule.named_parameters(prefix=prefix, recurse=False))
+        own = [(name, p) for name, p in submodule.named_parameters(prefix=prefix, recurse=False)
+               if p.requires_grad or not frozen_base]
         with deepspeed.zero.GatheredParameters([p for _, p in own]):
             if rank == 0:
                 for name, param in own:  # tied weights (one parameter under two names) are copied once

@@ -14,7 +14,8 @@ responses. Reported per checkpoint:
 - perplexity: the paper's "KL (perplexity)", the SFT model's perplexity on the evaluated
   responses (per response, exp of the mean negative log-likelihood per token; then averaged).
 Responses come from vLLM when it is installed (one engine, whose weights are swapped between
-checkpoints) or from HF generation (`--backend hf`).
+checkpoints) or from HF generation (`--backend hf`). A LoRA checkpoint (`--lora-rank`) is its adapter
+merged into `--sft-model-path`'s weights, and evaluated as any other model.
 
     python evaluate.py --checkpoints runs/online_dpo__1__1700000000      # every checkpoint of a run
     python evaluate.py --checkpoints runs/online_dpo__1__1700000000/checkpoint-1000 --backend hf
@@ -119,8 +120,8 @@ class Args:
 # ===========================================================================================================
 
 def find_checkpoints(path):
-    """The checkpoints of a run directory, by update; or `path` itself when it is a model."""
-    if not os.path.isdir(path) or os.path.isfile(os.path.join(path, "config.json")):
+    """The checkpoints of a run directory, by update; or `path` itself when it is a model (or a LoRA adapter)."""
+    if not os.path.isdir(path) or os.path.isfile(os.path.join(path, "config.json")) or is_adapter(path):
         return [path]
     updates = sorted(int(d.split("-")[1]) for d in os.listdir(path) if d.startswith("checkpoint-") and d[len("checkpoint-"):].isdigit())
     if not updates:
@@ -128,6 +129,34 @@ def find_checkpoints(path):
         hint = f" (it holds runs: pass one, e.g. {os.path.join(path, runs[0])})" if runs else ""
         fail("checkpoints", f"no checkpoint-<update> directory and no model in {path}{hint}")
     return [os.path.join(path, f"checkpoint-{update}") for update in updates]
+
+
+def is_adapter(checkpoint):
+    """A LoRA checkpoint: peft's adapter of the SFT model, without the model's weights."""
+    return os.path.isfile(os.path.join(checkpoint, "adapter_config.json"))
+
+
+def check_adapter(checkpoint):
+    """A LoRA checkpoint holds peft's adapter: its config and its weights (its base, --sft-model-path, is checked as a
+    model)."""
+    try:
+        with open(os.path.join(checkpoint, "adapter_config.json")) as f:
+            peft_type = json.load(f).get("peft_type")
+    except (OSError, ValueError) as error:
+        fail("checkpoints", f"cannot read the adapter's config in {checkpoint}: {error}")
+    if peft_type != "LORA" or not os.path.isfile(os.path.join(checkpoint, "adapter_model.safetensors")):
+        fail("checkpoints", f"{checkpoint} holds no LoRA adapter in peft's format (adapter_config.json of peft_type "
+                            "LORA, adapter_model.safetensors)")
+
+
+def load_policy(args, checkpoint):
+    """A checkpoint's policy; a LoRA adapter merged into --sft-model-path's weights (W + BA * alpha / rank): HF and
+    vLLM then evaluate one plain model, every checkpoint alike, and vLLM's weights are swapped as for full ones."""
+    if not is_adapter(checkpoint):
+        return load_model(args, checkpoint)
+    from peft import PeftModel
+
+    return PeftModel.from_pretrained(load_model(args, args.sft_model_path), checkpoint).merge_and_unload()
 
 
 def load_eval_data(args, tokenizer, stop_id):
@@ -295,14 +324,15 @@ def main(args):
     print(f"{'checkpoint':<40}{'update':>8}" + "".join(f"{column:>16}" for column in columns))
     try:
         for checkpoint in checkpoints:
-            policy = load_model(args, checkpoint).to(device)
+            policy = load_policy(args, checkpoint).to(device)
             if args.backend == "vllm":
                 path = checkpoint
-                if untied_for_vllm(policy):  # vLLM's copy of a tied model is untied (see write_for_vllm)
-                    path = os.path.join(vllm_dir.name, "policy")
+                if untied_for_vllm(policy) or is_adapter(checkpoint):  # vLLM's copy of a tied model is untied (see
+                    path = os.path.join(vllm_dir.name, "policy")  # write_for_vllm); an adapter's is the merged model
                     shutil.rmtree(path, ignore_errors=True)
                     write_for_vllm(policy, policy.state_dict(), path)
-                    AutoTokenizer.from_pretrained(checkpoint, trust_remote_code=args.trust_remote_code).save_pretrained(path)
+                    AutoTokenizer.from_pretrained(args.sft_model_path,  # a checkpoint's own is the SFT model's
+                                                  trust_remote_code=args.trust_remote_code).save_pretrained(path)
                 if llm is None:  # with room for the layer-wise reload of the next checkpoints (their largest tensor)
                     largest = max(p.numel() * p.element_size() for p in policy.parameters())
                     llm = start_vllm(args, path, largest_bytes=largest)
@@ -342,7 +372,10 @@ def validate(args):
         fail("checkpoints", "required: a run directory, a checkpoint or a model")
     check_model_path("checkpoints", args.checkpoints)
     for checkpoint in find_checkpoints(args.checkpoints):  # each loads as a policy (only a hub id is checked later)
-        check_model(SimpleNamespace(checkpoints=checkpoint, trust_remote_code=args.trust_remote_code), "checkpoints")
+        if is_adapter(checkpoint):
+            check_adapter(checkpoint)
+        else:
+            check_model(SimpleNamespace(checkpoints=checkpoint, trust_remote_code=args.trust_remote_code), "checkpoints")
     check_dataset_path(args)
     check_model(args, "sft_model_path")
     if args.rule_reward is not None:

@@ -33,9 +33,9 @@ import torch.nn.functional as F
 from deepspeed.accelerator import get_accelerator
 from transformers import StaticCache
 
-from checks import check_bounds, check_gpu_driver, check_run, fail, parse_arguments
-from data import left_pad, load_data, load_model, prompt_batch
-from distributed import (adam_class, ds_config, frozen_engine, mean_over_ranks, set_up_distributed,
+from checks import check_bounds, check_gpu_driver, check_lora, check_run, fail, parse_arguments
+from data import left_pad, load_data, load_model, prompt_batch, with_lora
+from distributed import (adam_class, ds_config, frozen_engine, mean_over_ranks, reference_model, set_up_distributed,
                          unwrapped_for_generation)
 from checkpoints import check_resume, latest_checkpoint, load_checkpoint, save_checkpoint, stop_if_diverged
 from runlog import RunLog, run_directory
@@ -109,6 +109,16 @@ class Args:
     loss_type: Literal["sigmoid", "ipo"] = "sigmoid"
     """`sigmoid` (DPO) or `ipo` (IPO)"""
 
+    # LoRA (--lora-rank 0: full fine-tuning)
+    lora_rank: int = 0
+    """train a LoRA adapter of this rank instead of every weight: the reference is the model with the adapter off, and a *_vllm.py hands vLLM only the adapter"""
+    lora_alpha: float = 32.0
+    """LoRA's scale: the adapter's output is multiplied by lora_alpha / lora_rank"""
+    lora_dropout: float = 0.0
+    """dropout on the adapter's input (0: the sampling and training log-probabilities of a token stay equal)"""
+    lora_target_modules: str = "all-linear"
+    """the linear layers that get an adapter: all-linear (every one but the output layer) or names, such as q_proj,v_proj"""
+
     deepspeed_config: str = "ds_configs/zero2.json"
     """DeepSpeed JSON config (ZeRO stage, offload); batch sizes and precision are filled in here"""
     bf16: bool = torch.cuda.is_available() and torch.cuda.is_bf16_supported(including_emulation=False)
@@ -178,12 +188,15 @@ def main(args):
     # Models and DeepSpeed engines: the policy trains (AdamW, the learning rate decayed linearly to zero); the
     # reference and reward models only run forward (frozen_engine: partitioned under ZeRO-3, else replicated).
     model = load_model(args, args.sft_model_path, trained=True)
+    if args.lora_rank:  # only a LoRA adapter trains; the reference is this model with the adapter off (step 2)
+        model = with_lora(args, model)
     config = ds_config(args, train=True)  # --deepspeed-config with this run's batch sizes and precision
-    optimizer = adam_class(config)(model.parameters(), lr=args.learning_rate, eps=1e-5, weight_decay=0.0)
+    trained = [p for p in model.parameters() if p.requires_grad]
+    optimizer = adam_class(config)(trained, lr=args.learning_rate, eps=1e-5, weight_decay=0.0)
     num_steps = args.num_updates * args.num_mini_batches * args.num_ppo_epochs  # the learning rate decays to 0
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 - step / num_steps)
     policy = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler, config=config)[0]
-    ref_policy = frozen_engine(args, load_model(args, args.sft_model_path))
+    ref_policy = None if args.lora_rank else frozen_engine(args, load_model(args, args.sft_model_path))
     reward_model = frozen_engine(args, load_model(args, args.reward_model_path, reward=True))
     gold_model = frozen_engine(args, load_model(args, args.gold_reward_model_path, reward=True))
 
@@ -222,8 +235,9 @@ def main(args):
         with torch.no_grad():
             for i in range(0, len(query_responses), args.per_device_train_batch_size):
                 chunk = query_responses[i: i + args.per_device_train_batch_size]
-                ref_logprobs.append(response_logprobs(forward(ref_policy, chunk, pad).logits, chunk[:, context_length:],
-                                                      context_length, args.temperature))
+                with reference_model(policy, ref_policy) as reference:  # with LoRA: the policy, its adapter off
+                    ref_logprobs.append(response_logprobs(forward(reference, chunk, pad).logits, chunk[:, context_length:],
+                                                          context_length, args.temperature))
                 scores.append(score_responses(args, reward_model, chunk, context_length,
                                               answers[i: i + args.per_device_train_batch_size], tokenizer))
         ref_logprobs = torch.cat(ref_logprobs).masked_fill(padding_mask, 0.0)
@@ -338,6 +352,7 @@ def validate(args):
     if args.num_updates < 1:
         fail("total_episodes", f"must be at least one batch of {args.batch_size} responses")
     check_run(args, RULE_REWARDS)
+    check_lora(args)
     check_resume(args)
 
 

@@ -34,13 +34,13 @@ import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
 from transformers import StaticCache
 
-from checks import check_bounds, check_gpu_driver, check_run, fail, parse_arguments
-from data import left_pad, load_data, load_model, prompt_batch, right_pad
-from distributed import adam_class, ds_config, frozen_engine, mean_over_ranks, set_up_distributed
+from checks import check_bounds, check_gpu_driver, check_lora, check_run, fail, parse_arguments
+from data import left_pad, load_data, load_model, prompt_batch, right_pad, with_lora
+from distributed import adam_class, ds_config, frozen_engine, mean_over_ranks, reference_model, set_up_distributed
 from checkpoints import check_resume, latest_checkpoint, load_checkpoint, save_checkpoint, stop_if_diverged
 from runlog import RunLog, run_directory
 from held_out import evaluate
-from vllm_engine import check_weight_sync
+from vllm_engine import check_vllm_lora, check_weight_sync
 from generator import AsyncGeneration
 
 
@@ -145,6 +145,16 @@ class Args:
     check_weights_every: int = 10
     """check that vLLM holds the learner's weights (log-probabilities of a probe, digests of parameters) when it starts, after the first hand-off and every this many updates; stop with one line if not (0: never)"""
 
+    # LoRA (--lora-rank 0: full fine-tuning)
+    lora_rank: int = 0
+    """train a LoRA adapter of this rank instead of every weight: the reference is the model with the adapter off, and a *_vllm.py hands vLLM only the adapter"""
+    lora_alpha: float = 32.0
+    """LoRA's scale: the adapter's output is multiplied by lora_alpha / lora_rank"""
+    lora_dropout: float = 0.0
+    """dropout on the adapter's input (0: the sampling and training log-probabilities of a token stay equal)"""
+    lora_target_modules: str = "all-linear"
+    """the linear layers that get an adapter: all-linear (every one but the output layer) or names, such as q_proj,v_proj"""
+
     deepspeed_config: str = "ds_configs/zero2.json"
     """DeepSpeed JSON config (ZeRO stage, offload); batch sizes and precision are filled in here"""
     bf16: bool = torch.cuda.is_available() and torch.cuda.is_bf16_supported(including_emulation=False)
@@ -183,6 +193,8 @@ def value_forward(value_model, query_responses, pad_token_id, context_length):
     token, on the hidden state before each response token. Bypassing the engine's forward, it takes that forward's
     first step: ZeRO-3 counts micro-batches there (else each one's gradient would replace the last one's)."""
     module = value_model.module if isinstance(value_model, deepspeed.DeepSpeedEngine) else value_model
+    if hasattr(module, "get_base_model"):  # a peft model (LoRA): its adapters sit inside the model it wraps
+        module = module.get_base_model()
     if hasattr(getattr(value_model, "optimizer", None), "clear_backward_seen_flag"):
         value_model.optimizer.clear_backward_seen_flag()
     hidden = forward(getattr(module, module.base_model_prefix), query_responses, pad_token_id).last_hidden_state
@@ -312,19 +324,25 @@ def main(args):
     # schedule); the reference and reward models only run forward. The value model starts from the reward model or,
     # with --rule-reward, from the SFT policy under a score head of zeros (a random one adds noise to every advantage).
     model = load_model(args, args.sft_model_path, trained=True)
+    if args.lora_rank:  # only a LoRA adapter trains; the reference is this model with the adapter off (step 2)
+        model = with_lora(args, model)
     config = ds_config(args, train=True)  # --deepspeed-config with this run's batch sizes and precision
-    optimizer = adam_class(config)(model.parameters(), lr=args.learning_rate, eps=1e-5, weight_decay=0.0)
+    trained = [p for p in model.parameters() if p.requires_grad]
+    optimizer = adam_class(config)(trained, lr=args.learning_rate, eps=1e-5, weight_decay=0.0)
     num_steps = args.num_updates * args.num_mini_batches * args.num_ppo_epochs  # the learning rate decays to 0
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 - step / num_steps)
     policy = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler, config=config)[0]
     model = load_model(args, args.reward_model_path or args.sft_model_path, reward=True, trained=True)
     if args.reward_model_path is None:
         torch.nn.init.zeros_(model.score.weight)
-    optimizer = adam_class(config)(model.parameters(), lr=args.learning_rate, eps=1e-5, weight_decay=0.0)
+    if args.lora_rank:  # an adapter of its own, and its score head trained whole
+        model = with_lora(args, model)
+    trained = [p for p in model.parameters() if p.requires_grad]
+    optimizer = adam_class(config)(trained, lr=args.learning_rate, eps=1e-5, weight_decay=0.0)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 - step / num_steps)
     value_model = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
                                        config=ds_config(args, train=True))[0]
-    ref_policy = frozen_engine(args, load_model(args, args.sft_model_path))
+    ref_policy = None if args.lora_rank else frozen_engine(args, load_model(args, args.sft_model_path))
     reward_model = frozen_engine(args, load_model(args, args.reward_model_path, reward=True))
     gold_model = frozen_engine(args, load_model(args, args.gold_reward_model_path, reward=True))
 
@@ -370,8 +388,9 @@ def main(args):
                 chunk_responses = chunk[:, context_length:]
                 logprobs.append(response_logprobs(forward(policy, chunk, pad).logits, chunk_responses,
                                                   context_length, args.temperature))
-                ref_logprobs.append(response_logprobs(forward(ref_policy, chunk, pad).logits, chunk_responses,
-                                                      context_length, args.temperature))
+                with reference_model(policy, ref_policy) as reference:  # with LoRA: the policy, its adapter off
+                    ref_logprobs.append(response_logprobs(forward(reference, chunk, pad).logits, chunk_responses,
+                                                          context_length, args.temperature))
                 values.append(value_forward(value_model, chunk, pad, context_length))
                 scores.append(score_responses(args, reward_model, chunk, context_length,
                                               answers[i: i + args.per_device_train_batch_size], tokenizer))
@@ -504,6 +523,7 @@ def validate(args):
             fail(name, f"must be between 0 and 1, got {getattr(args, name)}")
     if args.off_policy_steps < 1:
         fail("off_policy_steps", f"must be at least 1 (use --sync for on-policy), got {args.off_policy_steps}")
+    check_vllm_lora(args)
     check_weight_sync(args)
     if args.vllm_gpu_memory_utilization is not None and not 0 < args.vllm_gpu_memory_utilization <= 1:
         fail("vllm_gpu_memory_utilization", f"must be in (0, 1], got {args.vllm_gpu_memory_utilization}")
@@ -516,6 +536,7 @@ def validate(args):
     if args.num_updates < 1:
         fail("total_episodes", f"must be at least one batch of {args.batch_size} responses")
     check_run(args, RULE_REWARDS)
+    check_lora(args)
     check_resume(args)
 
 

@@ -244,11 +244,13 @@ def start_vllm(args, model_path, weight_transfer=False, largest_bytes=0, lora_ra
 
 class ReloadNoise(logging.Filter):
     """vLLM's `RotaryEmbedding: Failed to load weights` at every reload: its layer-wise reload counts the rotary cache,
-    a buffer no checkpoint holds, as a weight, and then puts the cache back. True of every reload, so not news; the
-    same line for any other layer (a weight genuinely missing) passes."""
+    a buffer no checkpoint holds, as a weight, and then puts the cache back. True of every reload, so not news; also
+    of the rotary embeddings of the models vLLM runs through transformers (the tiny GPT-NeoX's
+    GPTNeoXRotaryEmbedding). The same line for any other layer (a weight genuinely missing) passes."""
 
     def filter(self, record):
-        return not (record.msg == "%s: Failed to load weights" and record.args == ("RotaryEmbedding",))
+        return not (record.msg == "%s: Failed to load weights" and len(record.args) == 1
+                    and str(record.args[0]).endswith("RotaryEmbedding"))
 
 
 def logging_without_reload_noise(directory):

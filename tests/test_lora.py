@@ -8,9 +8,14 @@ adapter, one version per update, and the weight check covers it.
 - vLLM generates with each adapter version as peft computes it (the tiny model and SmolLM2), and the weight check
   stops a stale adapter (verl's and ms-swift's bug) and a missing one;
 - rloo_vllm.py learns asynchronously with an adapter, its run's weight checks hold, a resumed run repeats it exactly,
-  and an adapter version that never reaches vLLM stops the run at its check."""
+  and an adapter version that never reaches vLLM stops the run at its check;
+- every other algorithm script trains an adapter alone from the reference (PPO's value model too, with its head), and
+  its *_vllm.py sibling hands vLLM the adapter, checked at every update;
+- two processes under ZeRO-3 train and hand off an adapter (gathered alone, never the frozen base);
+- evaluate.py evaluates an adapter checkpoint, merged into the SFT model, with HF and with vLLM."""
 
 import glob
+import json
 import os
 import shutil
 import subprocess
@@ -18,7 +23,7 @@ import sys
 
 import pytest
 import torch
-from conftest import ROOT, TINY, algorithm_metrics, read_metrics, run_dir_of, run_script
+from conftest import ROOT, SHIPPED, TINY, algorithm_metrics, read_metrics, run_dir_of, run_script
 from test_real_model import CHATS, _largest_difference, _vllm_logprobs
 from transformers import AutoModelForCausalLM
 
@@ -77,6 +82,20 @@ def test_rloo_learns_with_an_adapter_and_saves_it_in_peft_format(tmp_path):
     ids = torch.tensor([[5, 6, 7, 8]])
     with torch.no_grad():
         assert (trained(input_ids=ids).logits - sft(input_ids=ids).logits).abs().max() > 1e-3
+        merged = trained.merge_and_unload()  # what evaluate.py evaluates
+        assert (merged(input_ids=ids).logits - trained(input_ids=ids).logits).abs().max() < 1e-5
+
+    # evaluate.py on the adapter checkpoint (merged into the SFT model), with HF and with vLLM, against the SFT model.
+    evaluations = {}
+    for name, checkpoints, backend in (("sft", os.path.join(TINY, "sft"), "hf"), ("hf", checkpoint, "hf"),
+                                       ("vllm", checkpoint, "vllm")):
+        run_script("evaluate.py", "--checkpoints", checkpoints, "--backend", backend, "--num-eval-prompts", "64",
+                   "--vllm-enforce-eager", "--output", str(tmp_path / f"{name}.json"))
+        with open(tmp_path / f"{name}.json") as f:
+            (evaluations[name],) = json.load(f)["checkpoints"].values()
+    assert evaluations["hf"]["gold_score"] > evaluations["sft"]["gold_score"] + 0.5
+    assert evaluations["hf"]["kl"] > 0.1 and evaluations["vllm"]["kl"] > 0.1
+    assert evaluations["vllm"]["gold_score"] == pytest.approx(evaluations["hf"]["gold_score"], abs=0.05)
 
 
 def test_a_run_with_an_adapter_resumes_exactly(tmp_path):
@@ -228,3 +247,63 @@ def test_an_adapter_that_never_reaches_vllm_stops_the_run_at_its_check(tmp_path)
     assert len(errors) == 1 and errors[0].startswith("error: vLLM does not hold the LoRA adapter of version 2 of the "
                                                      "learner's policy: it generates with policy-1's"), errors
     assert len(read_metrics(run_dir_of(tmp_path))) < 8
+
+
+OTHERS = [script for script in SHIPPED if script != "evaluate.py" and not script.startswith("rloo")]
+
+
+@pytest.mark.parametrize("script", OTHERS)
+def test_every_script_trains_an_adapter_alone_from_the_reference(tmp_path, script):
+    """Two updates at rank 8: the first update's KL is exactly 0 (a fresh adapter is the identity and the reference is
+    the base); the checkpoint and DeepSpeed's state hold the adapter alone (and PPO's value model its adapter and
+    score head), trained; a *_vllm.py hands vLLM the adapter, and its weight check holds at every update."""
+    vllm = script.endswith("_vllm.py")
+    result = run_script(script, "--lora-rank", "8", "--learning-rate", "3e-3", "--total-episodes", "128",
+                        "--save-every", "2", "--eval-every", "0", "--num-eval-prompts", "32", "--output-dir", str(tmp_path),
+                        *(["--vllm-enforce-eager", "--check-weights-every", "1"] if vllm else []))
+    rows = read_metrics(run_dir_of(tmp_path))
+    assert [row["update"] for row in rows] == [0, 1, 2]
+    assert rows[1].get("objective/kl", rows[1].get("pairs/kl")) == 0.0
+    assert rows[2].get("objective/kl", rows[2].get("pairs/kl")) != 0.0
+    if vllm:
+        assert "its LoRA adapter" in result.stdout and rows[1]["async/mismatch_kl"] < 1e-6
+    checkpoint = os.path.join(run_dir_of(tmp_path), "checkpoint-2")
+    from safetensors.torch import load_file
+
+    for model in ("", "value_model") if script.startswith("ppo") else ("",):
+        adapter = load_file(os.path.join(checkpoint, model, "adapter_model.safetensors"))
+        assert not glob.glob(os.path.join(checkpoint, model, "model*.safetensors"))
+        heads = {name for name in adapter if "lora_" not in name}
+        assert heads == ({"base_model.model.score.weight"} if model else set())
+        assert max(t.abs().max().item() for name, t in adapter.items() if "lora_B" in name) > 0  # trained (B starts 0)
+        state = torch.load(os.path.join(checkpoint, "training_state", model or "policy", "mp_rank_00_model_states.pt"),
+                           weights_only=False)["module"]
+        assert state and all("lora_" in name or ".score." in name for name in state)
+
+
+def test_two_processes_under_zero3_train_and_hand_off_an_adapter(tmp_path):
+    """rloo_vllm.py, two ranks under ZeRO-3, two updates late: rank 0 gathers the adapter alone (the base stays
+    partitioned) for vLLM at each hand-off, where the weight check finds it at every update; each rank saves its shard
+    of the adapter and its optimizer state, rank 0 the whole adapter in peft's format."""
+    from test_scripts_run import free_port, launch_two_processes
+
+    launch_two_processes(tmp_path, free_port(), [
+        "rloo_vllm.py", "--lora-rank", "8", "--learning-rate", "3e-3", "--off-policy-steps", "2", "--vllm-enforce-eager",
+        "--check-weights-every", "1", "--deepspeed-config", "ds_configs/zero3.json", "--per-device-train-batch-size",
+        "32", "--total-episodes", "192", "--save-every", "3", "--num-eval-prompts", "32", "--output-dir",
+        str(tmp_path / "run")], nodes=1)
+    for left in glob.glob("/dev/shm/deepspeed_allreduce_buffer_*"):  # DeepSpeed's CPU op leaves 64 MB a rank
+        os.remove(left)
+    rows = read_metrics(run_dir_of(tmp_path / "run"))
+    assert [row["async/off_policy_steps"] for row in rows[1:]] == [0, 1, 2]
+    assert rows[1]["objective/kl"] == 0.0 and rows[1]["async/mismatch_kl"] < 1e-6
+    checkpoint = os.path.join(run_dir_of(tmp_path / "run"), "checkpoint-3")
+    from peft import PeftModel
+
+    sft = AutoModelForCausalLM.from_pretrained(os.path.join(TINY, "sft"))
+    trained = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(os.path.join(TINY, "sft")), checkpoint)
+    ids = torch.tensor([[5, 6, 7, 8]])
+    with torch.no_grad():
+        assert (trained(input_ids=ids).logits - sft(input_ids=ids).logits).abs().max() > 1e-3
+    shards = glob.glob(os.path.join(checkpoint, "training_state", "policy", "zero_pp_rank_*_model_states.pt"))
+    assert len(shards) == 2

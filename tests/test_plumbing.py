@@ -43,7 +43,8 @@ STOP, PAD = 0, 1
 def trained_engine(args, model):
     """A DeepSpeed engine that trains `model`, set up as the scripts' main() sets up the policy's."""
     config = distributed.ds_config(args, train=True)
-    optimizer = distributed.adam_class(config)(model.parameters(), lr=args.learning_rate, eps=1e-5, weight_decay=0.0)
+    trained = [p for p in model.parameters() if p.requires_grad]
+    optimizer = distributed.adam_class(config)(trained, lr=args.learning_rate, eps=1e-5, weight_decay=0.0)
     return deepspeed.initialize(model=model, optimizer=optimizer, config=config)[0]
 
 
@@ -509,10 +510,12 @@ def test_loaded_models_have_no_dropout_even_in_training_mode(tmp_path):
     assert torch.equal(model(input_ids=ids).logits, model(input_ids=ids).logits)
 
 
-def test_ppos_value_model_accumulates_every_micro_batch_under_zero3(process_group, tmp_path):
+@pytest.mark.parametrize("lora_rank", [0, 8], ids=["full", "lora"])
+def test_ppos_value_model_accumulates_every_micro_batch_under_zero3(process_group, tmp_path, lora_rank):
     """value_forward runs the value model's parts (per-token values), not its DeepSpeed engine's forward, whose first
     step ZeRO-3 needs to count micro-batches: without it, each micro-batch's gradient replaced the last one's and only
-    the last trained. With two accumulated micro-batches, ZeRO-3 must take ZeRO-2's step."""
+    the last trained. With two accumulated micro-batches, ZeRO-3 must take ZeRO-2's step. With LoRA the value model
+    is a peft sequence classifier (an adapter and its whole score head train), and ZeRO-3 gathers those alone."""
     import ppo
 
     process_group("gloo")
@@ -522,13 +525,24 @@ def test_ppos_value_model_accumulates_every_micro_batch_under_zero3(process_grou
     for stage in (2, 3):
         (tmp_path / f"zero{stage}.json").write_text(json.dumps({"zero_optimization": {"stage": stage}}))
         args = ppo.Args(deepspeed_config=str(tmp_path / f"zero{stage}.json"), bf16=False, num_updates=1,
-                        per_device_train_batch_size=2, gradient_accumulation_steps=2, learning_rate=1e-3)
-        engine = trained_engine(args, data.load_model(args, os.path.join(TINY, "reward"), reward=True))
+                        per_device_train_batch_size=2, gradient_accumulation_steps=2, learning_rate=1e-3,
+                        lora_rank=lora_rank)
+        model = data.load_model(args, os.path.join(TINY, "reward"), reward=True)
+        torch.manual_seed(1)  # the same initial adapter in both
+        engine = trained_engine(args, data.with_lora(args, model) if lora_rank else model)
         for micro_batch in (ids[:2], ids[2:]):
             engine.backward(ppo.value_forward(engine, micro_batch, 1, 6).pow(2).mean())
             engine.step()
         weights[stage] = distributed.gathered_state_dict(engine)
-    assert max((weights[3][name] - weights[2][name]).abs().max().item() for name in weights[2]) < 1e-6
+    assert max((weights[3][name] - weights[2][name]).abs().max().item() for name in weights[3]) < 1e-6
+    trained = {name for name, p in engine.module.named_parameters() if p.requires_grad}
+    if lora_rank:
+        assert "base_model.model.score.modules_to_save.default.weight" in trained
+        assert all("lora_" in name or ".score." in name for name in trained) and weights[3].keys() == trained
+        reward_head = data.load_model(args, os.path.join(TINY, "reward"), reward=True).score.weight
+        assert (weights[3]["base_model.model.score.modules_to_save.default.weight"] - reward_head).abs().max() > 1e-5
+    else:
+        assert weights[3].keys() == weights[2].keys()
 
 def test_each_rank_takes_the_device_of_its_local_rank_under_every_launcher(process_group, monkeypatch):
     """deepspeed's launcher gives the local rank as --local_rank and in LOCAL_RANK, torchrun in LOCAL_RANK only: on
@@ -824,3 +838,17 @@ def test_every_argument_a_resume_may_change_is_an_argument_with_a_reason():
                  for field in importlib.import_module(script.removesuffix(".py")).Args.__dataclass_fields__}
     assert set(checkpoints.RESUME_MAY_CHANGE) <= arguments, set(checkpoints.RESUME_MAY_CHANGE) - arguments
     assert all(len(reason) > 5 for reason in checkpoints.RESUME_MAY_CHANGE.values())
+
+
+def test_vllms_reload_line_is_dropped_for_rotary_caches_alone():
+    """A rotary embedding holds only a cache (vLLM's RotaryEmbedding; transformers' GPTNeoXRotaryEmbedding where vLLM
+    runs the model through transformers): its 'Failed to load weights' line at every reload is noise. Any other
+    layer's is a weight genuinely missing and must show."""
+    import logging
+
+    def shown(layer):
+        record = logging.LogRecord("vllm", logging.WARNING, "layerwise.py", 266, "%s: Failed to load weights", (layer,), None)
+        return vllm_engine.ReloadNoise().filter(record)
+
+    assert not shown("RotaryEmbedding") and not shown("GPTNeoXRotaryEmbedding")
+    assert shown("ParallelLMHead") and shown("VocabParallelEmbedding")
