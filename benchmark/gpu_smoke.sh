@@ -14,18 +14,21 @@
 # stops if not; the on-policy (--sync) runs also assert vLLM's log-probabilities against the learner's at every update.
 # 1 (1 GPU, no vLLM): rloo.py and ppo.py in the learner's bf16, finite metrics; rloo.py resumed from checkpoint 2
 #         with the same metrics bit for bit (CUDA's random state); rloo.py under ZeRO-3 on one GPU. This is where
-#         NCCL meets CPU tensors (gloo beside it) and bf16.
+#         NCCL meets CPU tensors (gloo beside it) and bf16. rloo.py with a LoRA adapter in bf16 (the reference the
+#         policy with its adapter off: the first update's KL exactly 0), resumed bit for bit.
 # 2 (1 GPU, no vLLM): online_dpo, bok, grpo and tba alone; ppo and tba resumed bit for bit (TBA's buffer);
 #         evaluate.py with HF generation.
 # 3 (1 GPU, vLLM): online_dpo_vllm.py with vLLM colocated on the training GPU with the memory share it chose, the
 #         in-memory hand-off over CUDA IPC, and a run through files with the same scores; evaluate.py with vLLM,
 #         several checkpoints reloaded into one engine scoring as a fresh engine does.
-# 4 (1 GPU, vLLM): rloo_vllm, ppo_vllm, bok_vllm, grpo_vllm and tba_vllm, off-policy steps 0,1,1,1.
+# 4 (1 GPU, vLLM): rloo_vllm, ppo_vllm, bok_vllm, grpo_vllm and tba_vllm, off-policy steps 0,1,1,1; rloo_vllm
+#         and ppo_vllm with a LoRA adapter: vLLM's LoRA kernels in bf16, the adapter alone handed off and checked.
 # 5 (1 GPU, vLLM): rloo_vllm --sync in bf16 with async/mismatch_kl under 1e-2 at every update; rloo_vllm resumed
 #         within 1e-3; on a real model (SmolLM2, tied embeddings) in float32, under 1e-5.
 # 6 (2 GPUs, no vLLM): rloo.py and ppo.py under ZeRO-3 (collectives on NCCL, parameters gathered per module);
 #         grpo.py as DAPO (its token count and dynamic sampling's kept groups all-reduced); tba.py (a buffer per
-#         rank); the mechanism behind stage 7's files: CUDA-IPC-exported buffers no process imports stay allocated.
+#         rank); ppo.py with LoRA under ZeRO-3 (the adapters alone gathered); the mechanism behind stage 7's files:
+#         CUDA-IPC-exported buffers no process imports stay allocated.
 # 7 (2 GPUs, vLLM): rloo_vllm.py with one training rank and vLLM on GPU 1 (the NCCL hand-off; the same scores
 #         through files); deepspeed --num_gpus 2 rloo_vllm.py with vLLM sharing GPU 0: through files (CUDA IPC would
 #         strand a buffer on rank 1 at every update), said in one line, rank 1's GPU memory flat from update 3 to 48.
@@ -89,14 +92,15 @@ EOF
 }
 run1() { python "$@" --bf16 --total-episodes 256 --eval-every 2 --num-eval-prompts 64; }
 vllm_flags="--check-weights-every 1"  # every *_vllm.py run stops if vLLM does not hold the learner's weights
-resumes_exactly() {  # resumes_exactly <script> <dir> [tolerance]: a copy of a finished run resumed from its checkpoint-2
-  # logs the same metrics (bit for bit, or within the tolerance)
-  CUDA_VISIBLE_DEVICES=0 run1 "$1" --save-every 2 --output-dir "$2" || return 1
-  local run; run=$(ls -d "$2"/*__*); cp -r "$run" "$2/resumed" || return 1
+resumes_exactly() {  # resumes_exactly <script> <dir> [tolerance [arguments...]]: a copy of a finished run resumed from
+  # its checkpoint-2 logs the same metrics (bit for bit, or within the tolerance)
+  local script=$1 dir=$2 tolerance=${3:-0}; shift $(( $# < 3 ? $# : 3 ))
+  CUDA_VISIBLE_DEVICES=0 run1 "$script" "$@" --save-every 2 --output-dir "$dir" || return 1
+  local run; run=$(ls -d "$dir"/*__*); cp -r "$run" "$dir/resumed" || return 1
   # the copy as it stood at checkpoint-2: a run that does not resume into it leaves updates 3-4 missing there
-  rm -r "$2"/resumed/checkpoint-4 && python -c "import json, sys; rows = [l for l in open(sys.argv[1]) if json.loads(l)['update'] <= 2]; open(sys.argv[1], 'w').writelines(rows)" "$2/resumed/metrics.jsonl" || return 1
-  CUDA_VISIBLE_DEVICES=0 run1 "$1" --save-every 2 --output-dir "$2" --resume "$2/resumed/checkpoint-2" || return 1
-  python - "$run/metrics.jsonl" "$2/resumed/metrics.jsonl" "${3:-0}" <<'EOF'
+  rm -r "$dir"/resumed/checkpoint-4 && python -c "import json, sys; rows = [l for l in open(sys.argv[1]) if json.loads(l)['update'] <= 2]; open(sys.argv[1], 'w').writelines(rows)" "$dir/resumed/metrics.jsonl" || return 1
+  CUDA_VISIBLE_DEVICES=0 run1 "$script" "$@" --save-every 2 --output-dir "$dir" --resume "$dir/resumed/checkpoint-2" || return 1
+  python - "$run/metrics.jsonl" "$dir/resumed/metrics.jsonl" "$tolerance" <<'EOF'
 import json, sys
 whole, resumed = ([{k: v for k, v in json.loads(line).items() if not k.startswith("time/")} for line in open(p)]
                   for p in sys.argv[1:3])
@@ -116,6 +120,12 @@ stage1() {
   check 1gpu_rloo_resume resumes_exactly rloo.py "$out/1gpu_rloo_resume"  # CUDA's random state is in the checkpoint
   check 1gpu_zero3_rloo bash -c "$(declare -f run1); CUDA_VISIBLE_DEVICES=0 run1 rloo.py --deepspeed-config ds_configs/zero3.json --output-dir $out/1gpu_zero3_rloo"
   check 1gpu_zero3_rloo_metrics metrics_ok "$out/1gpu_zero3_rloo" 4
+  check 1gpu_rloo_lora_resume resumes_exactly rloo.py "$out/1gpu_rloo_lora" 0 --lora-rank 16 --learning-rate 3e-3
+  check 1gpu_rloo_lora_first_kl_0 python -c "
+import glob, json, sys
+rows = [json.loads(line) for line in open(glob.glob('$out/1gpu_rloo_lora/*__*/metrics.jsonl')[0])]
+print('objective/kl by update:', [r.get('objective/kl') for r in rows])
+sys.exit(rows[1]['objective/kl'] != 0.0)"
 }
 stage2() {
   for script in online_dpo bok grpo tba; do
@@ -154,6 +164,11 @@ stage4() {
     check "1gpu_$script" bash -c "$(declare -f run1); CUDA_VISIBLE_DEVICES=0 run1 $script.py $vllm_flags --output-dir $out/1gpu_$script"
     check "1gpu_${script}_metrics" metrics_ok "$out/1gpu_$script" 4 0 1 1 1
   done
+  for script in rloo_vllm ppo_vllm; do  # LoRA: vLLM serves the adapter (rank 16), each version checked at every update
+    check "1gpu_${script}_lora" bash -c "$(declare -f run1); CUDA_VISIBLE_DEVICES=0 run1 $script.py $vllm_flags --lora-rank 16 --learning-rate 3e-3 --output-dir $out/1gpu_${script}_lora"
+    check "1gpu_${script}_lora_metrics" metrics_ok "$out/1gpu_${script}_lora" 4 0 1 1 1
+    check "1gpu_${script}_lora_handoff" grep -q "its LoRA adapter" "$out/1gpu_${script}_lora.log"
+  done
   for script in rloo_vllm ppo_vllm grpo_vllm; do  # bf16: how far vLLM's log-probabilities are from the learner's (not asserted)
     python - "$out/1gpu_$script" "$script" <<'EOF'
 import glob, json, sys
@@ -185,6 +200,18 @@ stage6() {
       --per-device-train-batch-size 32 --total-episodes 192 --eval-every 1 --num-eval-prompts 64 --output-dir "$out/2gpu_$script"
     check "2gpu_zero3_${script}_metrics" metrics_ok "$out/2gpu_$script" 3
   done
+  check 2gpu_zero3_ppo_lora deepspeed --num_gpus 2 ppo.py --deepspeed-config ds_configs/zero3.json --bf16 --lora-rank 16 \
+    --learning-rate 3e-3 --per-device-train-batch-size 32 --total-episodes 192 --eval-every 1 --num-eval-prompts 64 \
+    --save-every 3 --output-dir "$out/2gpu_ppo_lora"
+  check 2gpu_zero3_ppo_lora_metrics metrics_ok "$out/2gpu_ppo_lora" 3
+  check 2gpu_zero3_ppo_lora_adapters python -c "
+import glob
+from safetensors.torch import load_file
+(run,) = glob.glob('$out/2gpu_ppo_lora/*__*')
+for model in ('', '/value_model'):
+    names = load_file(f'{run}/checkpoint-3{model}/adapter_model.safetensors').keys()
+    print(model or 'policy', len(names), 'tensors, the adapter alone:', all('lora_' in n or n.endswith('score.weight') for n in names))
+    assert names and all('lora_' in n or n.endswith('score.weight') for n in names)"
   # DAPO's token mean over both ranks (the token count all-reduced over NCCL) and its dynamic sampling (each rank's
   # count of groups kept all-reduced, MIN, before every further generation batch)
   check 2gpu_grpo_dapo deepspeed --num_gpus 2 grpo.py --loss-type dapo --bf16 --per-device-train-batch-size 32 \
