@@ -5,16 +5,21 @@ linear layer but the output layer), in float32 on this CPU:
   full fine-tuning holds a reference copy, LoRA none);
 - the hand-off per update: rloo_vllm.py, 4 updates one update late, through files (the only hand-off an adapter
   takes): the bytes the run's first lines report, the learner's seconds (time/weight_sync: gather and write), the
-  generator's (time/weight_load: wait for and load the new version), and episodes per second.
-Prints one line per run.
+  generator's (time/weight_load: it waits for the new version, so this is mostly the learner's update), and episodes
+  per second;
+- vLLM's side alone (--part load): one engine with LoRA enabled loads a new version 3 times each way, as the
+  generator does: the adapter's directory (vllm_engine.swap_adapter) against the full weights' (load_into_vllm).
+Prints one line per run or measurement.
 
     python benchmark/lora_cost.py | tee benchmark/results/lora_cost.txt   # about 15 min on 2 cores
+    python benchmark/lora_cost.py --part load                             # the last part alone, 1 min
 """
 
 import json
 import os
 import platform
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -45,6 +50,43 @@ def run(script, mode, updates, extra=()):
             return [json.loads(line) for line in f], result.stdout, peak, time.time() - started
 
 
+def vllm_loads():
+    """Seconds per load of a new version into one engine: the adapter (rank 16), then the full weights; 3 each."""
+    sys.path.insert(0, ROOT)
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    import data
+    import rloo_vllm
+    import vllm_engine
+    from weight_handoff import write_for_vllm
+
+    path = os.path.join(ROOT, "assets", "smollm2", "model")
+    args = rloo_vllm.Args(bf16=False, sft_model_path=path, response_length=16, max_prompt_length=64, lora_rank=16)
+    args.world_size = 1
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    with tempfile.TemporaryDirectory() as tmp:
+        write_for_vllm(model, model.state_dict(), os.path.join(tmp, "full"))
+        data.with_lora(args, model).save_pretrained(os.path.join(tmp, "policy-0"))
+        llm = vllm_engine.start_vllm(args, path, lora_rank=16,
+                                     largest_bytes=max(p.numel() * p.element_size() for p in model.parameters()))
+        try:
+            adapter, seconds = vllm_engine.add_adapter(llm, 0, os.path.join(tmp, "policy-0")), {"adapter": [], "full": []}
+            for version in (1, 2, 3):
+                shutil.copytree(os.path.join(tmp, f"policy-{version - 1}"), os.path.join(tmp, f"policy-{version}"))
+                started = time.time()
+                adapter = vllm_engine.swap_adapter(llm, adapter, version, os.path.join(tmp, f"policy-{version}"))
+                llm.generate("1 + 1 =", lora_request=adapter, use_tqdm=False)  # vLLM loads an adapter when first asked
+                seconds["adapter"].append(time.time() - started)
+                started = time.time()
+                vllm_engine.load_into_vllm(llm, os.path.join(tmp, "full"))
+                llm.generate("1 + 1 =", use_tqdm=False)  # the same request, for a like comparison
+                seconds["full"].append(time.time() - started)
+        finally:
+            vllm_engine.shut_down(llm)
+    return {kind: sum(values) / len(values) for kind, values in seconds.items()}
+
+
 def mean(rows, key):
     values = [row[key] for row in rows if key in row]
     return sum(values) / len(values)
@@ -57,6 +99,11 @@ def main():
                platform.processor())
     print(f"# {' '.join(sys.argv)} on {cpu}, {os.cpu_count()} cores, {time.strftime('%Y-%m-%d')}")
     print(f"# recipe: {' '.join(RECIPE)}; full: {' '.join(MODES['full'])}; LoRA: {' '.join(MODES['LoRA'])}")
+    if sys.argv[1:] == ["--part", "load"]:
+        loads = vllm_loads()
+        print(f"vLLM loads a new version (mean of 3): the adapter {loads['adapter']:.3f} s, "
+              f"the full weights {loads['full']:.3f} s (each with one request of 16 tokens after it)")
+        return
     for mode in MODES:
         rows, _, peak, seconds = run("rloo.py", mode, 2)
         print(f"rloo.py {mode}: learner peak resident memory {peak / 2**20:.2f} GiB; "

@@ -1,4 +1,4 @@
-"""The tables of docs/results.md, docs/performance.md and docs/math.md against the stored outputs they come from
+"""The tables of docs/results.md, docs/performance.md, docs/math.md and docs/lora.md against the stored outputs they come from
 (benchmark/results/; the math asset's build statistics): every numeric cell is recomputed from its output file and
 rounded as the doc rounds, so a rerun that changes a number fails the doc's row until the doc is updated. Every
 table of a doc is checked or listed in UNCHECKED with the reason. (README.md's table lists scripts; its measured figures are in sentences, which
@@ -36,18 +36,23 @@ def signed(value, places):
     return text if text.startswith("-") else "+" + text
 
 
-def doc_tables(doc):
-    """Every table of docs/`doc`: (its header's cells, {row label: the row's cells}), in order."""
+def markdown_tables(lines):
+    """Every table of markdown `lines`: (its header's cells, {row label: the row's cells}), in order."""
     tables, block = [], []
-    with open(os.path.join(ROOT, "docs", doc)) as f:
-        for line in [*f, ""]:
-            line = line.strip()
-            if line.startswith("|") and line.endswith("|"):
-                block.append([cell.strip() for cell in line[1:-1].split("|")])
-            elif block:
-                tables.append((block[0], {row[0]: row for row in block[2:]}))  # block[1] is the |---| line
-                block = []
+    for line in [*lines, ""]:
+        line = line.strip()
+        if line.startswith("|") and line.endswith("|"):
+            block.append([cell.strip() for cell in line[1:-1].split("|")])
+        elif block:
+            tables.append((block[0], {row[0]: row for row in block[2:]}))  # block[1] is the |---| line
+            block = []
     return tables
+
+
+def doc_tables(doc):
+    """Every table of docs/`doc`."""
+    with open(os.path.join(ROOT, "docs", doc)) as f:
+        return markdown_tables(f)
 
 
 # --- Figure 4 in miniature and with real asynchrony: means over the seeds of a CSV of benchmark/tiny_*.py ---
@@ -386,7 +391,37 @@ PERFORMANCE_CHECKED = {
     ("", "rloo.py fp32"): optimisations,
     ("model (parameters), dtype", "file: learner"): weight_sync,
 }
-DOCS = {"results.md": (CHECKED, UNCHECKED), "performance.md": (PERFORMANCE_CHECKED, {}), "math.md": (MATH_CHECKED, {})}
+# --- docs/lora.md: benchmark/lora_sizes.py's table, lora_cost.py's lines, async_speedup.py's LoRA runs ---
+
+def lora_sizes():
+    """The table lora_sizes.py prints, cell for cell."""
+    ((header, rows),) = markdown_tables(read("lora_sizes.txt").splitlines())
+    return lambda label, column: rows[label][header.index(column)]
+
+
+def lora_cost():
+    text = read("lora_cost.txt")
+    rloo = {mode: re.search(rf"^rloo.py {mode}: learner peak resident memory ([\d.]+) GiB; ([\d.]+) episodes/s", text,
+                            re.M).groups() for mode in ("full", "LoRA")}
+    vllm = {mode: re.search(rf"^rloo_vllm.py {mode}: hand-off as files: .*?([\d.]+) MiB; per update .* the learner's "
+                            rf"side ([\d.]+) s, .*; ([\d.]+) episodes/s", text, re.M).groups() for mode in ("full", "LoRA")}
+    loads = dict(zip(("LoRA", "full"), re.search(r"the adapter ([\d.]+) s, the full weights ([\d.]+) s", text).groups()))
+    rows = {"`rloo.py`: the learner's peak resident memory (GiB)": lambda mode: rloo[mode][0],
+            "`rloo.py`: episodes/s": lambda mode: rloo[mode][1],
+            "`rloo_vllm.py`: a hand-off (MiB)": lambda mode: vllm[mode][0],
+            "`rloo_vllm.py`: the learner's side of a hand-off (s)": lambda mode: vllm[mode][1],
+            "vLLM loading a new version (s)": lambda mode: loads[mode],
+            "`rloo_vllm.py` (one update late): episodes/s": lambda mode: vllm[mode][2]}
+    modes = {"full fine-tuning": "full", "LoRA, rank 16": "LoRA"}
+    return lambda label, column: rows[label](modes[column])
+
+
+LORA_CHECKED = {
+    ("model", "parameters"): lora_sizes,
+    ("SmolLM2-135M, float32, 2 CPU cores", "full fine-tuning"): lora_cost,
+}
+DOCS = {"results.md": (CHECKED, UNCHECKED), "performance.md": (PERFORMANCE_CHECKED, {}), "math.md": (MATH_CHECKED, {}),
+        "lora.md": (LORA_CHECKED, {})}
 
 
 @pytest.mark.parametrize("doc", list(DOCS))
