@@ -17,13 +17,14 @@ Prints one line per run or measurement.
 
 import json
 import os
-import platform
 import re
 import shutil
 import subprocess
 import sys
 import tempfile
 import time
+
+from smollm2_sync_mismatch import start
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECIPE = ["--sft-model-path", "assets/smollm2/model", "--dataset-name", "assets/smollm2/data", "--rule-reward",
@@ -93,11 +94,7 @@ def mean(rows, key):
 
 
 def main():
-    if not os.path.isfile(os.path.join(ROOT, "assets", "smollm2", "model", "model.safetensors")):
-        subprocess.run([sys.executable, "assets/make_smollm2.py"], cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
-    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
-               platform.processor())
-    print(f"# {' '.join(sys.argv)} on {cpu}, {os.cpu_count()} cores, {time.strftime('%Y-%m-%d')}")
+    start()
     print(f"# recipe: {' '.join(RECIPE)}; full: {' '.join(MODES['full'])}; LoRA: {' '.join(MODES['LoRA'])}")
     if sys.argv[1:] == ["--part", "load"]:
         loads = vllm_loads()

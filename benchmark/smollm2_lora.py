@@ -10,12 +10,13 @@ runs (--check-weights-every 1). Prints each run's accuracies, its hand-off size 
 
 import json
 import os
-import platform
 import re
 import subprocess
 import sys
 import tempfile
 import time
+
+from smollm2_sync_mismatch import start
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECIPE = ["--sft-model-path", "assets/smollm2/model", "--dataset-name", "assets/smollm2/data", "--rule-reward",
@@ -26,11 +27,7 @@ LORA = ["--lora-rank", "16", "--lora-alpha", "32", "--learning-rate", "1e-4", "-
 
 
 def main():
-    if not os.path.isfile(os.path.join(ROOT, "assets", "smollm2", "model", "model.safetensors")):
-        subprocess.run([sys.executable, "assets/make_smollm2.py"], cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
-    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
-               platform.processor())
-    print(f"# {' '.join(sys.argv)} on {cpu}, {os.cpu_count()} cores, {time.strftime('%Y-%m-%d')}")
+    start()
     print(f"# rloo_vllm.py {' '.join(RECIPE + LORA)} [--sync]")
     for mode in ("sync", "async"):
         with tempfile.TemporaryDirectory() as out:

@@ -22,12 +22,18 @@ RUN = ["--sft-model-path", "assets/smollm2/model", "--dataset-name", "assets/smo
        "--learning-rate", "5e-5", "--no-bf16", "--vllm-enforce-eager", "--sync", "--check-weights-every", "1"]
 
 
-def main():
+def start():
+    """Build assets/smollm2 if it is missing; print the command, the machine and the date (every SmolLM2 benchmark's
+    first line)."""
     if not os.path.isfile(os.path.join(ROOT, "assets", "smollm2", "model", "model.safetensors")):
         subprocess.run([sys.executable, "assets/make_smollm2.py"], cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
     cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
                platform.processor())
     print(f"# {' '.join(sys.argv)} on {cpu}, {os.cpu_count()} cores, {time.strftime('%Y-%m-%d')}")
+
+
+def main():
+    start()
     for script in SCRIPTS:
         k = [] if script == "ppo_vllm.py" else ["--k", "2"]  # PPO samples one response per prompt
         with tempfile.TemporaryDirectory() as out:

@@ -94,6 +94,13 @@ def run_script(script, *args, **kwargs):
     return run([sys.executable, script, *args], **kwargs)
 
 
+def run_patched(code, *args):
+    """`python -c code *args`: a script run with part of it replaced (`code` patches a module, then runs the script
+    with runpy), as a user runs it (PYTHONPATH for the modules). The result and the `error:` lines of its stderr."""
+    result = run([sys.executable, "-c", code, *args], env={"PYTHONPATH": ROOT}, check=False)
+    return result, [line for line in result.stderr.replace("\r", "\n").splitlines() if line.startswith("error:")]
+
+
 def forked_runs(script, cases, output, env=None, mode="main"):
     """Each of `cases` (argument lists) run as `python script *arguments` would (or, by `mode`, only through its
     validate(), or its `checks` up to the first model's loading: exit code 3 where they pass), forked from one process

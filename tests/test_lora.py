@@ -18,12 +18,10 @@ import glob
 import json
 import os
 import shutil
-import subprocess
-import sys
 
 import pytest
 import torch
-from conftest import ROOT, SHIPPED, TINY, algorithm_metrics, read_metrics, run_dir_of, run_script
+from conftest import SHIPPED, TINY, algorithm_metrics, read_metrics, run_dir_of, run_patched, run_script
 from test_real_model import CHATS, _largest_difference, _vllm_logprobs
 from transformers import AutoModelForCausalLM
 
@@ -238,11 +236,8 @@ runpy.run_path("rloo_vllm.py", run_name="__main__")
 
 
 def test_an_adapter_that_never_reaches_vllm_stops_the_run_at_its_check(tmp_path):
-    result = subprocess.run([sys.executable, "-c", SKIPPED_ADAPTER, *VLLM_LORA[1:], "--total-episodes", "512",
-                             "--eval-every", "0", "--save-every", "0", "--output-dir", str(tmp_path)],
-                            cwd=ROOT, env={**os.environ, "WANDB_MODE": "offline", "PYTHONPATH": ROOT},
-                            capture_output=True, text=True, timeout=600)
-    errors = [line for line in result.stderr.replace("\r", "\n").splitlines() if line.startswith("error:")]
+    result, errors = run_patched(SKIPPED_ADAPTER, *VLLM_LORA[1:], "--total-episodes", "512", "--eval-every", "0",
+                                 "--save-every", "0", "--output-dir", str(tmp_path))
     assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
     assert len(errors) == 1 and errors[0].startswith("error: vLLM does not hold the LoRA adapter of version 2 of the "
                                                      "learner's policy: it generates with policy-1's"), errors

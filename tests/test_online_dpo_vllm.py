@@ -17,7 +17,7 @@ import psutil
 import pytest
 import torch
 import vllm
-from conftest import CPU_WEIGHT_TRANSFER, ROOT, TINY, read_metrics, run_dir_of
+from conftest import CPU_WEIGHT_TRANSFER, ROOT, TINY, read_metrics, run_dir_of, run_patched
 from transformers import (AutoModelForCausalLM, AutoTokenizer, Gemma2Config, Gemma2ForCausalLM, LlamaConfig,
                           LlamaForCausalLM)
 from vllm.inputs import TokensPrompt
@@ -382,12 +382,9 @@ runpy.run_path("online_dpo_vllm.py", run_name="__main__")
 def test_a_hand_off_that_never_reaches_vllm_stops_the_run_at_its_scheduled_check(tmp_path):
     """With --check-weights-every 2, version 2 is checked once vLLM has loaded it: a version that never arrived stops
     the run there, in one line naming it, instead of training on for ever from a stale policy."""
-    result = subprocess.run([sys.executable, "-c", SKIPPED_HAND_OFF, "--vllm-enforce-eager", "--weight-sync", "file",
-                             "--check-weights-every", "2", "--learning-rate", "1e-3", "--total-episodes", "512",
-                             "--eval-every", "0", "--num-eval-prompts", "8", "--output-dir", str(tmp_path)],
-                            cwd=ROOT, env={**os.environ, "WANDB_MODE": "offline", "PYTHONPATH": ROOT},
-                            capture_output=True, text=True, timeout=600)
-    errors = [line for line in result.stderr.replace("\r", "\n").splitlines() if line.startswith("error:")]
+    result, errors = run_patched(SKIPPED_HAND_OFF, "--vllm-enforce-eager", "--weight-sync", "file",
+                                 "--check-weights-every", "2", "--learning-rate", "1e-3", "--total-episodes", "512",
+                                 "--eval-every", "0", "--num-eval-prompts", "8", "--output-dir", str(tmp_path))
     assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
     assert len(errors) == 1 and errors[0].startswith("error: vLLM does not hold version 2 of the learner's policy: "
                                                      "its log-probabilities of the probe differ by "), errors
