@@ -1,4 +1,4 @@
-"""The tables of docs/results.md, docs/performance.md, docs/math.md and docs/lora.md against the stored outputs they come from
+"""The tables of docs/results.md, performance.md, math.md, lora.md and six per-script docs against the stored outputs they come from
 (benchmark/results/; the math asset's build statistics): every numeric cell is recomputed from its output file and
 rounded as the doc rounds, so a rerun that changes a number fails the doc's row until the doc is updated. Every
 table of a doc is checked or listed in UNCHECKED with the reason. (README.md's table lists scripts; its measured figures are in sentences, which
@@ -216,14 +216,20 @@ def speedup_table(name, labels=lambda label: label):
     return lambda label, column: columns[column](outputs[labels(label)])
 
 
-def default_runs():
-    """The default-run table: default_runs.txt's part per script, its evaluations at updates 300 and 1000."""
+def default_run_parts():
+    """{`script.py`: ({update: its logged row, as printed}, the process's seconds)} of default_runs.txt."""
     outputs = {}
     for part in read("default_runs.txt").strip().split("\n\n")[1:]:  # [0]: the command
         name, seconds = re.search(r"^(\w+\.py): ([\d.]+) s in all", part, re.M).groups()
         lines = [line.split() for line in part.splitlines() if line.startswith("  ")]
         rows = {row[0]: dict(zip(lines[0], row)) for row in lines[1:] if row[0].isdigit()}
         outputs[f"`{name}`"] = rows, int(rounded(seconds, 0))
+    return outputs
+
+
+def default_runs():
+    """The default-run table: default_runs.txt's part per script, its evaluations at updates 300 and 1000."""
+    outputs = default_run_parts()
 
     def kl(row):
         return rounded(row["pairs/kl"] if "pairs/kl" in row else row["objective/kl"], 1)
@@ -416,12 +422,79 @@ def lora_cost():
     return lambda label, column: rows[label](modes[column])
 
 
+# --- the per-script docs: each one's default run (default_runs.txt), rloo_vllm.md's run (script_docs_runs.txt) and
+# online_dpo_vllm.md's speed-up (async_speedup_tiny.txt) ---
+
+def script_default_run(script):
+    """A script doc's table of its default run, one row per update as default_runs.py logged it."""
+    rows, _ = default_run_parts()[f"`{script}`"]
+
+    def number(value, places):
+        return "" if value == "-" else rounded(value, places)
+
+    def kl(value):  # at update 0 none is logged: the policy is the reference
+        return "0" if value in ("-", "0") else rounded(value, 2 if float(value) < 10 else 1)
+
+    def cell(label, column):
+        row = rows[label]
+        if column == "episodes":
+            return f"{int(row['episode']):,}"
+        if column in ("objective/kl", "pairs/kl"):
+            return kl(row[column])
+        name = {"eval/scores (proxy)": "eval/scores", "eval/gold_scores": "eval/gold_scores"}.get(column, column)
+        if column.startswith("answer length"):
+            name = "eval/response_length"
+        return number(row[name], 3 if name == "eval/gold_scores" else 2)
+    return cell
+
+
+def rloo_vllm_run():
+    """rloo_vllm.md's run: its evaluations in script_docs_runs.txt (64 episodes an update)."""
+    part = read("script_docs_runs.txt").split("## python rloo_vllm.py --learning-rate 1e-4 ")[1].split("per update")[0]
+    rows = {update: values.split(", ") for update, values in re.findall(r"^ {4}(\d+): (.*)$", part, re.M)}
+
+    def cell(label, column):
+        proxy, gold, kl = rows[label]
+        return {"episodes": f"{64 * int(label):,}", "eval/scores (proxy)": rounded(proxy, 3),
+                "eval/gold_scores": rounded(gold, 3), "objective/kl": "0" if kl == "0" else rounded(kl, 2)}[column]
+    return cell
+
+
+def online_dpo_vllm_speedup():
+    """online_dpo_vllm.md's speed-up table: its part of async_speedup_tiny.txt."""
+    output = speedup_parts("async_speedup_tiny.txt")["`online_dpo_vllm.py`"]
+    modes = {"`--sync`": output["sync"], "async, K = 1": output["async"]}
+    columns = {
+        "training loop": lambda mode: f"{rounded(mode['loop seconds'], 1)} s",
+        "episodes/s": lambda mode: rounded(mode["episodes/s"], 0),
+        "learner idle": lambda mode: f"{rounded(Fraction(mode['learner idle']) * 100, 1)} %",
+        "off-policy steps": lambda mode: {"0.000": "0", "0.995": "1 (0 for the first batch)"}[mode["off-policy steps"]],
+        "proxy score (start -> end)": lambda mode: f"{rounded(mode['start proxy'], 2)} -> {rounded(mode['proxy score'], 2)}",
+        "gold score (start -> end)": lambda mode: f"{mode['start gold']} -> {mode['gold score']}",
+    }
+    return lambda label, column: columns[column](modes[label])
+
+
+DEFINITIONS = "definitions, not measurements"
+SCRIPT_DOCS = {
+    "rloo.md": ({("update", "episodes"): lambda: script_default_run("rloo.py")}, {("metric", "meaning"): DEFINITIONS}),
+    "bok.md": ({("update", "episodes"): lambda: script_default_run("bok.py")}, {("metric", "meaning"): DEFINITIONS}),
+    "online_dpo.md": ({("update", "episodes"): lambda: script_default_run("online_dpo.py")},
+                      {("metric", "meaning"): DEFINITIONS}),
+    "ppo.md": ({("update", "episodes"): lambda: script_default_run("ppo.py")}, {("metric", "meaning"): DEFINITIONS}),
+    "online_dpo_vllm.md": ({("update", "episodes"): lambda: script_default_run("online_dpo_vllm.py"),
+                           ("mode", "training loop"): online_dpo_vllm_speedup},
+                          {("argument", "meaning"): DEFINITIONS, ("metric", "meaning"): DEFINITIONS,
+                           ("where vLLM runs", "backend"): "which hand-off runs where: a description"}),
+    "rloo_vllm.md": ({("update", "episodes"): rloo_vllm_run}, {}),
+}
+
 LORA_CHECKED = {
     ("model", "parameters"): lora_sizes,
     ("SmolLM2-135M, float32, 2 CPU cores", "full fine-tuning"): lora_cost,
 }
 DOCS = {"results.md": (CHECKED, UNCHECKED), "performance.md": (PERFORMANCE_CHECKED, {}), "math.md": (MATH_CHECKED, {}),
-        "lora.md": (LORA_CHECKED, {})}
+        "lora.md": (LORA_CHECKED, {}), **SCRIPT_DOCS}
 
 
 @pytest.mark.parametrize("doc", list(DOCS))
