@@ -475,6 +475,33 @@ def online_dpo_vllm_speedup():
     return lambda label, column: columns[column](modes[label])
 
 
+def tba_beta():
+    """tba.md's table by --beta: its runs in tba_beta_tiny.txt (update: proxy, gold, KL, as printed)."""
+    runs = {}
+    for beta, points in re.findall(r"^beta ([\d.]+), N 6400, E 50, P 256: (.*)$", read("tba_beta_tiny.txt"), re.M):
+        runs[beta] = [point.split(": ")[1].split(", ") for point in points.split("; ")]
+    columns = {
+        "proxy, updates 0 -> 50 -> 100": lambda run: " -> ".join(point[0] for point in run),
+        "gold": lambda run: " -> ".join(point[1] for point in run),
+        "`objective/kl` at 100": lambda run: run[-1][2],
+    }
+    return lambda label, column: columns[column](runs[label.split()[0]])
+
+
+def real_models_scripts():
+    """real_models.md's table: each script's SmolLM2 runs, mean (seed 1, seed 2) of the final accuracies."""
+    files = {"`online_dpo_vllm.py`": "online_dpo", "`bok_vllm.py` (best of 4)": "bok", "`grpo_vllm.py`": "grpo",
+             "`ppo_vllm.py` (its value model's new head starting at zeros)": "ppo", "`tba_vllm.py`": "tba"}
+
+    def cell(label, column):
+        name = "dapo" if "as DAPO" in label else files[label]
+        seeds = speedup_output(read(f"async_speedup_smollm2_{name}_lr1e-5.txt"))[{"`--sync`": "sync", "async": "async"}[
+            column]]["seeds"]
+        finals = [exact(seed, 96) for seed in seeds]
+        return f"{rounded(sum(finals) / len(finals), 2)} ({', '.join(rounded(final, 2) for final in finals)})"
+    return cell
+
+
 DEFINITIONS = "definitions, not measurements"
 SCRIPT_DOCS = {
     "rloo.md": ({("update", "episodes"): lambda: script_default_run("rloo.py")}, {("metric", "meaning"): DEFINITIONS}),
@@ -487,6 +514,14 @@ SCRIPT_DOCS = {
                           {("argument", "meaning"): DEFINITIONS, ("metric", "meaning"): DEFINITIONS,
                            ("where vLLM runs", "backend"): "which hand-off runs where: a description"}),
     "rloo_vllm.md": ({("update", "episodes"): rloo_vllm_run}, {}),
+    "tba.md": ({("`--beta`", "proxy, updates 0 -> 50 -> 100"): tba_beta}, {("metric", "meaning"): DEFINITIONS}),
+    "real_models.md": ({("script", "`--sync`"): real_models_scripts}, {}),
+    "gpus.md": ({}, {("stage", "GPUs"): "benchmark/gpu_smoke.sh's stages: a description"}),
+    "layout.md": ({}, {("module", "what it holds"): "the modules: a description"}),
+    "off_policy_correction.md": ({}, {
+        ("`--is-level`", "weight"): DEFINITIONS, ("metric", "meaning"): DEFINITIONS,
+        ("response length", "`sequence`: effective sample size, mean weight"):
+            "a simulation, not a stored output: tests/test_off_policy_correction.py asserts its bounds"}),
 }
 
 LORA_CHECKED = {
@@ -495,6 +530,15 @@ LORA_CHECKED = {
 }
 DOCS = {"results.md": (CHECKED, UNCHECKED), "performance.md": (PERFORMANCE_CHECKED, {}), "math.md": (MATH_CHECKED, {}),
         "lora.md": (LORA_CHECKED, {}), **SCRIPT_DOCS}
+
+
+# A doc with a table that is not yet under this test, and why.
+NOT_YET = {"grpo.md": "its loss-type table is to be rerun at the current defaults (issue 56, D7); two rows are words"}
+
+
+def test_every_doc_with_a_table_is_checked_here_or_says_why_not():
+    with_tables = sorted(doc for doc in os.listdir(os.path.join(ROOT, "docs")) if doc.endswith(".md") and doc_tables(doc))
+    assert [doc for doc in with_tables if doc not in DOCS and doc not in NOT_YET] == []
 
 
 @pytest.mark.parametrize("doc", list(DOCS))
