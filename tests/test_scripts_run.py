@@ -565,7 +565,8 @@ BAD_INPUT = [  # (script, arguments, the argument the error must name)
 @pytest.fixture(scope="module")
 def warm_runs(tmp_path_factory):
     """Each script's `--help` and its BAD_INPUT cases, forked from one process per script that imported the
-    libraries once (forked_runs: a case is then about a second, not 5-8 s), two scripts at a time.
+    libraries once (forked_runs: a case is then about a second, not 5-8 s), two scripts at a time, each run up to the
+    loading of its first model (forked_runs' `checks` mode): every bad input must be found before any model loads.
     Returns {script: [((exit code, stdout, stderr, seconds), its output directory, whether its files, runs among
     them, are as they were)]}, --help first, then the script's cases in BAD_INPUT's order."""
     def files_under(directory):
@@ -580,7 +581,8 @@ def warm_runs(tmp_path_factory):
                 cases.append([*arguments, *([] if "--output-dir" in arguments else ["--output-dir", str(tmp)])])
                 outputs.append(tmp)
         before = [tmp and files_under(tmp) for tmp in outputs]
-        results = forked_runs(script, cases, tmp_path_factory.mktemp("forked") / f"{script}.json", {"COLUMNS": "300"})
+        results = forked_runs(script, cases, tmp_path_factory.mktemp("forked") / f"{script}.json", {"COLUMNS": "300"},
+                              mode="checks")  # a case that got as far as loading a model exits 3, not 2
         return script, [(result, tmp, tmp is None or files_under(tmp) == files)
                         for result, tmp, files in zip(results, outputs, before)]
 
