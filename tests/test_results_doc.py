@@ -527,6 +527,10 @@ SCRIPT_DOCS = {
 LORA_CHECKED = {
     ("model", "parameters"): lora_sizes,
     ("SmolLM2-135M, float32, 2 CPU cores", "full fine-tuning"): lora_cost,
+    ("`grpo_vllm.py --lora-rank 16`, lr 1e-4, 10 updates", "final accuracy, seed 1, seed 2"):
+        lambda: smollm2_run("async_speedup_smollm2_grpo_lora.txt"),
+    ("`grpo_vllm.py`, lr 1e-5, 10 updates", "final accuracy, seed 1, seed 2"):
+        lambda: smollm2_run("async_speedup_smollm2_grpo_lr1e-5.txt"),
 }
 DOCS = {"results.md": (CHECKED, UNCHECKED), "performance.md": (PERFORMANCE_CHECKED, {}), "math.md": (MATH_CHECKED, {}),
         "lora.md": (LORA_CHECKED, {}), **SCRIPT_DOCS}
