@@ -2,6 +2,7 @@
 read what the run wrote."""
 
 import ast
+import fcntl
 import glob
 import json
 import math
@@ -67,10 +68,24 @@ ALGORITHMS = [name for name in SCRIPTS if ALGORITHM_BANNER in open(os.path.join(
 
 @pytest.fixture(scope="session")
 def smollm2():
-    """assets/smollm2 (a real pretrained chat model and its arithmetic task), built on first use (about 30 s)."""
-    if not os.path.isfile(os.path.join(SMOLLM2, "model", "model.safetensors")):
-        run([sys.executable, "assets/make_smollm2.py"], timeout=900)
+    """assets/smollm2 (a real pretrained chat model and its arithmetic task), built on first use (about 30 s) by
+    whichever test process (pytest.ini runs two) needs it first; the other waits for it."""
+    with open(os.path.join(ROOT, "assets", ".smollm2.lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not os.path.isfile(os.path.join(SMOLLM2, "model", "model.safetensors")):
+            run([sys.executable, "assets/make_smollm2.py"], timeout=900)
     return SMOLLM2
+
+
+# pytest.ini runs the tests in two processes, each taking a whole file at a time (a file's module-scoped runs are then
+# made once). The longest files go first, so that neither process is left with one at the end.
+LONGEST_FIRST = ["test_learning.py", "test_lora.py", "test_scripts_run.py", "test_real_model.py",
+                 "test_online_dpo_vllm.py", "test_math_and_chat.py", "test_benchmark.py"]
+
+
+def pytest_collection_modifyitems(items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # (stable: each file's order kept)
 
 
 def pytest_configure(config):

@@ -287,8 +287,6 @@ def test_two_processes_under_zero3_train_and_hand_off_an_adapter(tmp_path):
         "--check-weights-every", "1", "--deepspeed-config", "ds_configs/zero3.json", "--per-device-train-batch-size",
         "32", "--total-episodes", "192", "--save-every", "3", "--num-eval-prompts", "32", "--output-dir",
         str(tmp_path / "run")], nodes=1)
-    for left in glob.glob("/dev/shm/deepspeed_allreduce_buffer_*"):  # DeepSpeed's CPU op leaves 64 MB a rank
-        os.remove(left)
     rows = read_metrics(run_dir_of(tmp_path / "run"))
     assert [row["async/off_policy_steps"] for row in rows[1:]] == [0, 1, 2]
     assert rows[1]["objective/kl"] == 0.0 and rows[1]["async/mismatch_kl"] < 1e-6
