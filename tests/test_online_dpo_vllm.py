@@ -6,6 +6,7 @@ import concurrent.futures
 import contextlib
 import copy
 import functools
+import glob
 import os
 import re
 import signal
@@ -367,25 +368,39 @@ def test_vllm_never_outlives_a_learner_killed_with_sigkill(tmp_path):
     assert not left, f"processes outlived the learner: {left}"
 
 
-# verl's and ms-swift's bug (the generator silently kept sampling from an old policy): one version of the policy never
-# reaches vLLM. The run itself, with its generator's loading of version 2 skipped.
-SKIPPED_HAND_OFF = """
-import runpy, sys
-import generator
-load = generator.load_into_vllm
-generator.load_into_vllm = lambda llm, path: None if path.endswith("policy-2") else load(llm, path)
+# verl's and ms-swift's bug (the generator silently kept sampling from an old policy), made at each point where the
+# weight check is scheduled: at the start (the learner's policy is not the model vLLM loaded: its weights changed after
+# loading), after the first hand-off (version 1 never reaches vLLM: checked whatever --check-weights-every says) and at
+# every N-th (version 2 never reaches it, N = 2). The run itself, with its generator's loading of that version skipped.
+BROKEN = """
+import runpy, sys, torch
+import data, generator
+version = int(sys.argv.pop(1))
+load, load_into_vllm = data.load_model, generator.load_into_vllm
+def perturbed(args, path, reward=False, trained=False):
+    model = load(args, path, reward, trained)
+    if trained:
+        with torch.no_grad():
+            next(model.parameters()).add_(0.1)
+    return model
+if version == 0:
+    data.load_model = perturbed
+generator.load_into_vllm = lambda llm, path: None if path.endswith(f"policy-{version}") else load_into_vllm(llm, path)
 sys.argv = ["online_dpo_vllm.py", *sys.argv[1:]]
 runpy.run_path("online_dpo_vllm.py", run_name="__main__")
 """
+BROKEN_AT = [(0, "5"), (1, "5"), (2, "2")]  # (the version that vLLM does not hold, --check-weights-every)
 
 
-def test_a_hand_off_that_never_reaches_vllm_stops_the_run_at_its_scheduled_check(tmp_path):
-    """With --check-weights-every 2, version 2 is checked once vLLM has loaded it: a version that never arrived stops
-    the run there, in one line naming it, instead of training on for ever from a stale policy."""
-    result, errors = run_patched(SKIPPED_HAND_OFF, "--vllm-enforce-eager", "--weight-sync", "file",
-                                 "--check-weights-every", "2", "--learning-rate", "1e-3", "--total-episodes", "512",
+@pytest.mark.parametrize("version, every", BROKEN_AT, ids=["at the start", "after the first hand-off", "every N"])
+def test_a_policy_that_never_reaches_vllm_stops_the_run_at_its_scheduled_check(tmp_path, version, every):
+    """The run stops at the check of the version vLLM does not hold, in one line naming it, instead of training on
+    for ever from a stale policy."""
+    result, errors = run_patched(BROKEN, str(version), "--vllm-enforce-eager", "--weight-sync", "file",
+                                 "--check-weights-every", every, "--learning-rate", "1e-3", "--total-episodes", "512",
                                  "--eval-every", "0", "--num-eval-prompts", "8", "--output-dir", str(tmp_path))
     assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
-    assert len(errors) == 1 and errors[0].startswith("error: vLLM does not hold version 2 of the learner's policy: "
-                                                     "its log-probabilities of the probe differ by "), errors
-    assert len(read_metrics(run_dir_of(tmp_path))) < 8  # it stopped early: 8 updates and the evaluation at 0
+    assert len(errors) == 1 and errors[0].startswith(f"error: vLLM does not hold version {version} of the learner's "
+                                                     "policy: its log-probabilities of the probe differ by "), errors
+    logged = glob.glob(f"{tmp_path}/*__*/metrics.jsonl")
+    assert len(read_metrics(os.path.dirname(logged[0])) if logged else []) <= version + 3, result.stderr[-3000:]
