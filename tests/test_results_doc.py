@@ -531,6 +531,10 @@ LORA_CHECKED = {
         lambda: smollm2_run("async_speedup_smollm2_grpo_lora.txt"),
     ("`grpo_vllm.py`, lr 1e-5, 10 updates", "final accuracy, seed 1, seed 2"):
         lambda: smollm2_run("async_speedup_smollm2_grpo_lr1e-5.txt"),
+    ("`rloo_vllm.py --lora-rank 16`, lr 1e-4, 10 updates", "final accuracy, seed 1, seed 2"):
+        lambda: smollm2_run("async_speedup_smollm2_rloo_lora.txt"),
+    ("`rloo_vllm.py`, lr 1e-5, 10 updates", "final accuracy, seed 1, seed 2"):
+        lambda: smollm2_run("async_speedup_smollm2_rloo_lr1e-5.txt"),
 }
 DOCS = {"results.md": (CHECKED, UNCHECKED), "performance.md": (PERFORMANCE_CHECKED, {}), "math.md": (MATH_CHECKED, {}),
         "lora.md": (LORA_CHECKED, {}), **SCRIPT_DOCS}
