@@ -9,7 +9,7 @@ batch (the off-policy knob of Noukhovitch et al. 2025, "Asynchronous RLHF", arXi
     grpo     per-token clipped ratio; each response's tokens averaged, then the responses (Shao et al. 2024)
     dr_grpo  no division by the group's std, the tokens summed over a constant (Liu et al. 2025, "Dr. GRPO")
     dapo     --cliprange-high above --cliprange-low; one mean over all the tokens of the mini-batch; prompts whose k
-             scores are all equal left out and the batch refilled (dynamic sampling); overlong reward shaping
+             rewards are all equal left out and the batch refilled (dynamic sampling); overlong reward shaping
              (Yu et al. 2025, "DAPO")
     gspo     one ratio per response, the geometric mean of its tokens' ratios (Zheng et al. 2025, "GSPO")
     cispo    the importance weight, clipped at 1 + --cliprange-high with its gradient stopped, times the token's
@@ -121,7 +121,7 @@ class Args:
     cliprange_high: Optional[float] = None
     """the ratio is clipped above at 1 + cliprange_high (default by --loss-type: 0.2, dapo 0.28, gspo 4e-4, cispo 4: its weight's cap of 5)"""
     overlong_buffer: Optional[int] = None
-    """DAPO's overlong shaping: a response whose stop token falls in the last this many of --response-length tokens loses up to 1 point, linearly (0: off; default by --loss-type: dapo a fifth of --response-length, as its paper's 4096 of 20480; the others 0)"""
+    """DAPO's overlong shaping: a response whose stop token falls in the last this many of --response-length tokens loses up to half the reward's range, linearly, and one cut at --response-length all of it, in place of --missing-eos-penalty (Eq. 13's 1 of DAPO's +-1: 0.5 under --rule-reward's 0/1, 1 with a reward model; 0: off; default by --loss-type: dapo a fifth of --response-length, as its paper's 4096 of 20480; the others 0)"""
     overlong_filter: bool = False
     """leave responses cut at --response-length (no stop token) out of the loss (DAPO's overlong filtering)"""
     dynamic_sampling_rounds: Optional[int] = None
@@ -183,14 +183,27 @@ def loss_defaults(loss_type, response_length):
             "overlong_buffer": response_length // 5 if loss_type == "dapo" else 0}
 
 
-def overlong_penalty(responses, stop_token_id, response_length, buffer):
-    """DAPO's overlong reward shaping (Yu et al. 2025, eq. 13), added to the score of a response that ends with its stop
-    token: 0 up to response_length - buffer tokens (the stop token included), then falling linearly to -1 at
-    response_length. A response without a stop token gets --missing-eos-penalty instead (-1 added by default)."""
+def overlong_penalty(responses, stop_token_id, response_length, buffer, full):
+    """DAPO's overlong reward shaping (Yu et al. 2025, Eq. 13), added to every response's reward: 0 up to
+    response_length - buffer tokens (the stop token included), then falling linearly to -full at response_length; a
+    response cut at response_length (no stop token) gets -full, as Eq. 13 gives one longer than its limit. No buffer: 0."""
+    if not buffer:
+        return torch.zeros(len(responses), device=responses.device)
     is_stop = responses == stop_token_id
-    lengths = is_stop.int().argmax(1) + 1
-    penalty = ((response_length - buffer - lengths) / max(buffer, 1)).clamp(-1.0, 0.0)
-    return torch.where(is_stop.any(1), penalty, 0.0)
+    lengths = torch.where(is_stop.any(1), is_stop.int().argmax(1) + 1, response_length + 1)
+    return full * ((response_length - buffer - lengths) / buffer).clamp(-1.0, 0.0)
+
+
+def shaped_scores(args, rewards, responses, stop_token_id):
+    """The scores the advantages are computed from: the rewards with DAPO's overlong shaping, which gives a response cut
+    at --response-length its full penalty in place of --missing-eos-penalty, or else with that penalty. The full
+    penalty is half the reward's range, as Eq. 13's 1 is of DAPO's +-1 rewards: 0.5 for a rule's 0/1, 1 for a reward
+    model's score, which has no fixed range."""
+    if not args.overlong_buffer:
+        return apply_missing_eos_penalty(rewards, responses, stop_token_id, args.missing_eos_penalty,
+                                          args.missing_eos_mode)
+    full = 0.5 if args.rule_reward else 1.0
+    return rewards + overlong_penalty(responses, stop_token_id, args.response_length, args.overlong_buffer, full)
 
 
 def merge_groups(parts, k, num_prompts, pad_token_id):
@@ -210,8 +223,9 @@ def merge_groups(parts, k, num_prompts, pad_token_id):
 
 
 def loss_mask(responses, padding_mask, equal, stop_token_id, loss_type, overlong_filter):
-    """The response tokens the loss counts: with dapo, not those of prompts whose k scores are all equal (advantages 0:
-    their tokens would only dilute the mean); with --overlong-filter, not those of responses cut at --response-length."""
+    """The response tokens the loss counts: with dapo, not those of prompts whose k rewards are all equal (`equal`:
+    their advantages are 0 or a length penalty's, and their tokens would dilute the mean); with --overlong-filter, not
+    those of responses cut at --response-length."""
     mask = ~padding_mask
     if loss_type == "dapo":
         mask &= ~equal.unsqueeze(1)
@@ -223,13 +237,21 @@ def loss_mask(responses, padding_mask, equal, stop_token_id, loss_type, overlong
 def group_advantages(scores, k, scale=True):
     """Each response's score minus the mean score of its group (the k responses to its prompt), divided by the group's
     standard deviation (+ 1e-4) when `scale` (not in Dr. GRPO: it weights prompts that are nearly always solved, or
-    nearly never, above the others); also, per response, whether its group's scores are all equal (advantages 0).
-    `scores` holds k blocks of the same prompts: index j * num_prompts + i is sample j of prompt i."""
+    nearly never, above the others). `scores` holds k blocks of the same prompts: index j * num_prompts + i is sample
+    j of prompt i."""
     scores = scores.view(k, -1)
     advantages = scores - scores.mean(0, keepdim=True)
     if scale:
         advantages = advantages / (scores.std(0, keepdim=True) + 1e-4)
-    return advantages.flatten(), (scores.amax(0) == scores.amin(0)).repeat(k)
+    return advantages.flatten()
+
+
+def groups_of_equal_rewards(rewards, k):
+    """Per response, whether its group's rewards are all equal, in the layout of group_advantages(). DAPO tests the
+    reward before shaping and penalties (its accuracy, Eq. 11): a group that differs only in length says nothing about
+    which answer is right, and normalised, a length penalty of 0.05 would weigh as much as a wrong answer."""
+    rewards = rewards.view(k, -1)
+    return (rewards.amax(0) == rewards.amin(0)).repeat(k)
 
 
 def grpo_policy_loss(new_logprobs, old_logprobs, ref_logprobs, advantages, mask, loss_type, cliprange_low,
@@ -311,9 +333,10 @@ def main(args):
         run_log.log(0, {**eval_metrics, "episode": 0}, samples)
     start_time, start_episode = time.time(), episode
     for update in range(start_update + 1, args.num_updates + 1):
-        # 1. Generate k responses per prompt with the current policy and score them (the missing-EOS penalty and DAPO's
-        #    overlong shaping included). With dynamic sampling (DAPO), only prompts whose k scores differ stay, and
-        #    further batches of prompts are generated until every rank has a batch of them; the surplus is dropped.
+        # 1. Generate k responses per prompt with the current policy and score them (the missing-EOS penalty or DAPO's
+        #    overlong shaping included). With dynamic sampling (DAPO), only prompts whose k rewards differ stay (before
+        #    shaping: a group that differs only in length is left out), and further batches of prompts are generated
+        #    until every rank has a batch of them; the surplus is dropped.
         t0, generating, parts, generated_groups, equal_groups = time.time(), 0.0, [], 0, 0
         while True:
             indices = prompt_batch(len(train_prompts), prompts_per_rank, generation_batch, args.seed, rank,
@@ -330,11 +353,9 @@ def main(args):
             raw_scores = torch.cat([score_responses(args, reward_model, query_responses[i: i + step], queries.shape[1],
                                                     answers[i: i + step], tokenizer)
                                     for i in range(0, len(query_responses), step)])
-            scores = apply_missing_eos_penalty(raw_scores, responses, stop_id, args.missing_eos_penalty,
-                                               args.missing_eos_mode)
-            scores = scores + overlong_penalty(responses, stop_id, args.response_length, args.overlong_buffer)
+            scores = shaped_scores(args, raw_scores, responses, stop_id)
             parts.append((queries, responses, raw_scores, scores))
-            equal = group_advantages(scores, args.k)[1][:prompts_per_rank]  # per prompt: its k scores all equal
+            equal = groups_of_equal_rewards(raw_scores, args.k)[:prompts_per_rank]  # per prompt: k rewards alike
             generated_groups, equal_groups = generated_groups + prompts_per_rank, equal_groups + equal.sum().item()
             if not args.dynamic_sampling_rounds:
                 break
@@ -373,9 +394,10 @@ def main(args):
         ref_logprobs = torch.cat(ref_logprobs).masked_fill(padding_mask, 0.0)
 
         # 3. Group-normalised advantages of the scores (the KL to the reference is in the loss); the tokens the loss
-        #    counts (loss_mask(): dapo leaves out groups of equal scores, --overlong-filter responses cut short).
+        #    counts (loss_mask(): dapo leaves out groups of equal rewards, --overlong-filter responses cut short).
         kl = (logprobs - ref_logprobs).sum(1)
-        advantages, equal = group_advantages(scores, args.k, scale=args.loss_type != "dr_grpo")
+        advantages = group_advantages(scores, args.k, scale=args.loss_type != "dr_grpo")
+        equal = groups_of_equal_rewards(raw_scores, args.k)
         mask = loss_mask(responses, padding_mask, equal, stop_id, args.loss_type, args.overlong_filter)
         t2 = time.time()
 

@@ -118,7 +118,7 @@ class Args:
     cliprange_high: Optional[float] = None
     """the ratio is clipped above at 1 + cliprange_high (default by --loss-type: 0.2, dapo 0.28, gspo 4e-4, cispo 4: its weight's cap of 5)"""
     overlong_buffer: Optional[int] = None
-    """DAPO's overlong shaping: a response whose stop token falls in the last this many of --response-length tokens loses up to 1 point, linearly (0: off; default by --loss-type: dapo a fifth of --response-length, as its paper's 4096 of 20480; the others 0)"""
+    """DAPO's overlong shaping: a response whose stop token falls in the last this many of --response-length tokens loses up to half the reward's range, linearly, and one cut at --response-length all of it, in place of --missing-eos-penalty (Eq. 13's 1 of DAPO's +-1: 0.5 under --rule-reward's 0/1, 1 with a reward model; 0: off; default by --loss-type: dapo a fifth of --response-length, as its paper's 4096 of 20480; the others 0)"""
     overlong_filter: bool = False
     """leave responses cut at --response-length (no stop token) out of the loss (DAPO's overlong filtering)"""
     is_cap: float = 2.0
@@ -204,19 +204,33 @@ def loss_defaults(loss_type, response_length):
             "overlong_buffer": response_length // 5 if loss_type == "dapo" else 0}
 
 
-def overlong_penalty(responses, stop_token_id, response_length, buffer):
-    """DAPO's overlong reward shaping (Yu et al. 2025, eq. 13), added to the score of a response that ends with its stop
-    token: 0 up to response_length - buffer tokens (the stop token included), then falling linearly to -1 at
-    response_length. A response without a stop token gets --missing-eos-penalty instead (-1 added by default)."""
+def overlong_penalty(responses, stop_token_id, response_length, buffer, full):
+    """DAPO's overlong reward shaping (Yu et al. 2025, Eq. 13), added to every response's reward: 0 up to
+    response_length - buffer tokens (the stop token included), then falling linearly to -full at response_length; a
+    response cut at response_length (no stop token) gets -full, as Eq. 13 gives one longer than its limit. No buffer: 0."""
+    if not buffer:
+        return torch.zeros(len(responses), device=responses.device)
     is_stop = responses == stop_token_id
-    lengths = is_stop.int().argmax(1) + 1
-    penalty = ((response_length - buffer - lengths) / max(buffer, 1)).clamp(-1.0, 0.0)
-    return torch.where(is_stop.any(1), penalty, 0.0)
+    lengths = torch.where(is_stop.any(1), is_stop.int().argmax(1) + 1, response_length + 1)
+    return full * ((response_length - buffer - lengths) / buffer).clamp(-1.0, 0.0)
+
+
+def shaped_scores(args, rewards, responses, stop_token_id):
+    """The scores the advantages are computed from: the rewards with DAPO's overlong shaping, which gives a response cut
+    at --response-length its full penalty in place of --missing-eos-penalty, or else with that penalty. The full
+    penalty is half the reward's range, as Eq. 13's 1 is of DAPO's +-1 rewards: 0.5 for a rule's 0/1, 1 for a reward
+    model's score, which has no fixed range."""
+    if not args.overlong_buffer:
+        return apply_missing_eos_penalty(rewards, responses, stop_token_id, args.missing_eos_penalty,
+                                          args.missing_eos_mode)
+    full = 0.5 if args.rule_reward else 1.0
+    return rewards + overlong_penalty(responses, stop_token_id, args.response_length, args.overlong_buffer, full)
 
 
 def loss_mask(responses, padding_mask, equal, stop_token_id, loss_type, overlong_filter):
-    """The response tokens the loss counts: with dapo, not those of prompts whose k scores are all equal (advantages 0:
-    their tokens would only dilute the mean); with --overlong-filter, not those of responses cut at --response-length."""
+    """The response tokens the loss counts: with dapo, not those of prompts whose k rewards are all equal (`equal`:
+    their advantages are 0 or a length penalty's, and their tokens would dilute the mean); with --overlong-filter, not
+    those of responses cut at --response-length."""
     mask = ~padding_mask
     if loss_type == "dapo":
         mask &= ~equal.unsqueeze(1)
@@ -228,13 +242,21 @@ def loss_mask(responses, padding_mask, equal, stop_token_id, loss_type, overlong
 def group_advantages(scores, k, scale=True):
     """Each response's score minus the mean score of its group (the k responses to its prompt), divided by the group's
     standard deviation (+ 1e-4) when `scale` (not in Dr. GRPO: it weights prompts that are nearly always solved, or
-    nearly never, above the others); also, per response, whether its group's scores are all equal (advantages 0).
-    `scores` holds k blocks of the same prompts: index j * num_prompts + i is sample j of prompt i."""
+    nearly never, above the others). `scores` holds k blocks of the same prompts: index j * num_prompts + i is sample
+    j of prompt i."""
     scores = scores.view(k, -1)
     advantages = scores - scores.mean(0, keepdim=True)
     if scale:
         advantages = advantages / (scores.std(0, keepdim=True) + 1e-4)
-    return advantages.flatten(), (scores.amax(0) == scores.amin(0)).repeat(k)
+    return advantages.flatten()
+
+
+def groups_of_equal_rewards(rewards, k):
+    """Per response, whether its group's rewards are all equal, in the layout of group_advantages(). DAPO tests the
+    reward before shaping and penalties (its accuracy, Eq. 11): a group that differs only in length says nothing about
+    which answer is right, and normalised, a length penalty of 0.05 would weigh as much as a wrong answer."""
+    rewards = rewards.view(k, -1)
+    return (rewards.amax(0) == rewards.amin(0)).repeat(k)
 
 
 def grpo_policy_loss(new_logprobs, old_logprobs, ref_logprobs, advantages, mask, loss_type, cliprange_low,
@@ -406,17 +428,16 @@ def main(args):
         logprobs = torch.cat(logprobs).masked_fill(padding_mask, 0.0)
         ref_logprobs = torch.cat(ref_logprobs).masked_fill(padding_mask, 0.0)
         raw_scores = torch.cat(scores)
-        scores = apply_missing_eos_penalty(raw_scores, responses, stop_id, args.missing_eos_penalty,
-                                           args.missing_eos_mode)
-        scores = scores + overlong_penalty(responses, stop_id, args.response_length, args.overlong_buffer)
+        scores = shaped_scores(args, raw_scores, responses, stop_id)
 
         # 3. Group-normalised advantages of the scores (the KL to the reference is in the loss); the tokens the loss
-        #    counts (loss_mask(): dapo leaves out groups of equal scores, without refilling the batch as grpo.py does,
+        #    counts (loss_mask(): dapo leaves out groups of equal rewards, without refilling the batch as grpo.py does,
         #    docs/grpo_vllm.md says why; --overlong-filter leaves out responses cut short). The off-policy correction:
         #    each token's importance weight pi_prox / pi_behaviour (the learner's probability over vLLM's; its
         #    response's with --is-level sequence or geometric), truncated at --is-cap (or masked above it).
         kl = (logprobs - ref_logprobs).sum(1)
-        advantages, equal = group_advantages(scores, args.k, scale=args.loss_type != "dr_grpo")
+        advantages = group_advantages(scores, args.k, scale=args.loss_type != "dr_grpo")
+        equal = groups_of_equal_rewards(raw_scores, args.k)
         mask = loss_mask(responses, padding_mask, equal, stop_id, args.loss_type, args.overlong_filter)
         is_weights, is_stats = importance_weights(logprobs, behaviour_logprobs, ~padding_mask, args.is_cap,
                                                   args.is_level, args.is_mode)

@@ -40,16 +40,17 @@ def clipped_surrogate(i, j, ratio, low=0.2, high=0.2):
 def test_group_advantages_normalise_by_the_group_and_flag_groups_of_equal_scores():
     # k = 2 responses to 2 prompts, stored sample-major: [s0p0, s0p1, s1p0, s1p1]. Prompt 0 scored 1 and 3 (mean 2,
     # sample std sqrt(2)); prompt 1 scored 5 and 5: std 0, advantages 0, not a division by zero.
-    advantages, equal = grpo.group_advantages(torch.tensor([1.0, 5.0, 3.0, 5.0]), 2)
+    advantages = grpo.group_advantages(torch.tensor([1.0, 5.0, 3.0, 5.0]), 2)
+    equal = grpo.groups_of_equal_rewards(torch.tensor([1.0, 5.0, 3.0, 5.0]), 2)
     expected = 1 / (math.sqrt(2) + 1e-4)
     assert advantages.tolist() == pytest.approx([-expected, 0.0, expected, 0.0], abs=1e-6)
     assert equal.tolist() == [False, True, False, True]
     # Dr. GRPO: the mean is subtracted, nothing divided.
-    assert grpo.group_advantages(torch.tensor([1.0, 5.0, 3.0, 5.0]), 2, scale=False)[0].tolist() == [-1, 0, 1, 0]
+    assert grpo.group_advantages(torch.tensor([1.0, 5.0, 3.0, 5.0]), 2, scale=False).tolist() == [-1, 0, 1, 0]
     # k = 3, one prompt scored 0, 1, 5: mean 2, sample std sqrt((4 + 1 + 9) / 2) = sqrt(7).
-    advantages, equal = grpo.group_advantages(torch.tensor([0.0, 1.0, 5.0]), 3)
+    advantages = grpo.group_advantages(torch.tensor([0.0, 1.0, 5.0]), 3)
     assert advantages.tolist() == pytest.approx([x / (math.sqrt(7) + 1e-4) for x in (-2, -1, 3)], abs=1e-6)
-    assert not equal.any()
+    assert not grpo.groups_of_equal_rewards(torch.tensor([0.0, 1.0, 5.0]), 3).any()
 
 
 def test_grpo_clips_at_both_bounds_and_averages_each_response_then_the_responses():
@@ -123,8 +124,8 @@ def test_the_kl_to_the_reference_is_the_k3_estimate_per_token_weighted_by_beta()
 
 
 def test_a_group_of_equal_scores_adds_nothing_but_a_kl_term():
-    advantages, equal = grpo.group_advantages(torch.tensor([2.0, 2.0, 2.0]), 3)
-    assert equal.all() and not advantages.any()
+    advantages = grpo.group_advantages(torch.tensor([2.0, 2.0, 2.0]), 3)
+    assert grpo.groups_of_equal_rewards(torch.tensor([2.0, 2.0, 2.0]), 3).all() and not advantages.any()
     new = torch.tensor([[-1.0, -2.0], [-0.5, -0.7], [-3.0, -0.1]]).requires_grad_(True)
     old = new.detach() - 0.3
     for loss_type in LOSS_TYPES:
@@ -195,19 +196,61 @@ def test_a_bare_loss_type_runs_its_papers_settings_and_a_value_passed_wins(modul
     assert passed.cliprange_low == (None if loss_type == "cispo" else 0.5)
 
 
-def test_overlong_shaping_falls_linearly_over_the_buffer_and_leaves_a_cut_response_to_the_eos_penalty():
-    # --response-length 10, a buffer of 4: no penalty up to 6 tokens (the stop token, id 2, counted), then -0.25 a
-    # token to -1 at 10; a response without a stop token gets 0 here (--missing-eos-penalty's -1 is added elsewhere).
-    lengths = [3, 6, 7, 9, 10, None]
-    responses = torch.full((len(lengths), 10), 5)
+def responses_of(lengths, response_length=10):
+    """Responses of these lengths (the stop token, id 2, last; then padding, 0), or cut at response_length (None)."""
+    responses = torch.full((len(lengths), response_length), 5)
     for row, length in enumerate(lengths):
         if length is not None:
             responses[row, length - 1] = 2
-            responses[row, length:] = 0  # padding
-    penalty = grpo.overlong_penalty(responses, 2, 10, 4)
-    assert penalty.tolist() == [0.0, 0.0, -0.25, -0.75, -1.0, 0.0]
-    assert grpo.overlong_penalty(responses, 2, 10, 0).tolist() == [0.0] * 6  # no buffer: no shaping
-    assert torch.equal(grpo_vllm.overlong_penalty(responses, 2, 10, 4), penalty)
+            responses[row, length:] = 0
+    return responses
+
+
+def test_overlong_shaping_falls_linearly_over_the_buffer_and_gives_a_cut_response_all_of_it():
+    # --response-length 10, a buffer of 4: no penalty up to 6 tokens (the stop token counted), then a quarter of the
+    # full penalty a token to all of it at 10; a response cut at 10 (no stop token) gets all of it (Eq. 13).
+    responses = responses_of([3, 6, 7, 9, 10, None])
+    penalty = grpo.overlong_penalty(responses, 2, 10, 4, 1.0)
+    assert penalty.tolist() == [0.0, 0.0, -0.25, -0.75, -1.0, -1.0]
+    assert grpo.overlong_penalty(responses, 2, 10, 4, 0.5).tolist() == [0.0, 0.0, -0.125, -0.375, -0.5, -0.5]
+    assert grpo.overlong_penalty(responses, 2, 10, 0, 1.0).tolist() == [0.0] * 6  # no buffer: no shaping
+    assert torch.equal(grpo_vllm.overlong_penalty(responses, 2, 10, 4, 1.0), penalty)
+
+
+@pytest.mark.parametrize("module", [grpo, grpo_vllm], ids=["grpo.py", "grpo_vllm.py"])
+@pytest.mark.parametrize("missing_eos_penalty", [-1.0, 0.0])
+def test_with_overlong_shaping_a_cut_response_loses_the_full_penalty_whatever_the_missing_eos_penalty(
+        module, missing_eos_penalty):
+    """Three responses, all correct (the rule's 1): one ends early, one in the soft zone (8 of 10 tokens, a buffer of
+    4: half the way), one is cut at 10. Under the rule the full penalty is 0.5, half its 0/1 range as Eq. 13's 1 is of
+    DAPO's +-1; with a reward model, 1. With --missing-eos-penalty -1 or 0 alike, the cut response scores below the
+    one that stopped late (before, at 0, it scored above it). Without shaping, the missing-EOS penalty applies."""
+    responses, rewards = responses_of([3, 8, None]), torch.ones(3)
+    args = module.Args(overlong_buffer=4, response_length=10, missing_eos_penalty=missing_eos_penalty,
+                       rule_reward="last_number")
+    assert module.shaped_scores(args, rewards, responses, 2).tolist() == [1.0, 0.75, 0.5]
+    args.rule_reward = None
+    assert module.shaped_scores(args, rewards, responses, 2).tolist() == [1.0, 0.5, 0.0]
+    args.overlong_buffer = 0
+    assert module.shaped_scores(args, rewards, responses, 2).tolist() == [1.0, 1.0, 1.0 + missing_eos_penalty]
+
+
+@pytest.mark.parametrize("module", [grpo, grpo_vllm], ids=["grpo.py", "grpo_vllm.py"])
+def test_dapo_leaves_out_a_group_equal_in_accuracy_and_unequal_in_length(module):
+    """Two prompts, k = 2 (sample-major rows: [s0 p0, s0 p1, s1 p0, s1 p1]). Prompt 0's answers are both right, one
+    ends early and one in the soft zone: their shaped scores differ, and normalised, the length penalty alone would
+    weigh as a wrong answer does. Prompt 1's differ in accuracy. DAPO's test is on the rewards: prompt 0's group is
+    left out of the loss (and of dynamic sampling's batch), prompt 1's stays."""
+    responses, rewards = responses_of([3, 3, 8, 3]), torch.tensor([1.0, 0.0, 1.0, 1.0])
+    args = module.Args(loss_type="dapo", overlong_buffer=4, response_length=10, rule_reward="last_number")
+    scores = module.shaped_scores(args, rewards, responses, 2)
+    assert scores.tolist() == [1.0, 0.0, 0.75, 1.0]
+    advantages = module.group_advantages(scores, 2)
+    assert advantages[0] > 0.5 and advantages[2] < -0.5  # the length penalty as large as a wrong answer's
+    equal = module.groups_of_equal_rewards(rewards, 2)
+    assert equal.tolist() == [True, False, True, False]
+    mask = module.loss_mask(responses, responses == 0, equal, 2, "dapo", False)
+    assert not mask[0].any() and not mask[2].any() and mask[1].any() and mask[3].any()
 
 
 def test_the_loss_leaves_out_dapos_equal_groups_and_with_overlong_filtering_responses_cut_short():
