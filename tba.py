@@ -106,9 +106,11 @@ class Args:
     beta: float = 0.1
     """KL weight: the target is pi_ref exp(score / beta); at the first update if --beta-final is set"""
     beta_final: Optional[float] = None
-    """beta reached linearly at update --beta-anneal-updates and kept after it (None: beta throughout)"""
+    """beta reached linearly at update 1 + --beta-anneal-updates and kept after it (None: beta throughout)"""
     beta_anneal_updates: int = 0
-    """updates over which beta falls from --beta to --beta-final (the paper's TL;DR: 1.0 to 0.05 by update 32)"""
+    """updates over which beta falls from --beta to --beta-final (TBA's TL;DR: 1.0 towards 0.05 over 128)"""
+    beta_cut_update: int = 0
+    """the update from which beta is --beta-final, cutting the fall short (TBA's TL;DR: 32, where beta has fallen to 0.78; 0: no cut)"""
     buffer_size: int = 100
     """responses the replay buffer keeps per prompt: its newest unique ones"""
     recent_prob: float = 0.5
@@ -170,9 +172,12 @@ def tba_loss(logprobs, ref_logprobs, scores, beta, k):
 
 
 def annealed_beta(args, update):
-    """beta at `update` (from 1): --beta, falling linearly to --beta-final at update 1 + --beta-anneal-updates."""
+    """beta at `update` (from 1): --beta, falling linearly to --beta-final at update 1 + --beta-anneal-updates, and
+    --beta-final from update --beta-cut-update on."""
     if args.beta_final is None:
         return args.beta
+    if args.beta_cut_update and update >= args.beta_cut_update:
+        return args.beta_final
     progress = min(1.0, (update - 1) / max(args.beta_anneal_updates, 1))
     return args.beta + (args.beta_final - args.beta) * progress
 
@@ -386,7 +391,7 @@ def main(args):
 def validate(args):
     """Check the arguments before any model is loaded; fill in the derived batch sizes."""
     check_gpu_driver()
-    check_bounds(args, positive=("beta",), at_least_0=("beta_anneal_updates", "inv_temp"))
+    check_bounds(args, positive=("beta",), at_least_0=("beta_anneal_updates", "beta_cut_update", "inv_temp"))
     if args.beta_final is not None and not args.beta_final > 0:
         fail("beta_final", f"must be positive, got {args.beta_final}")
     if args.buffer_size < args.k:

@@ -30,10 +30,16 @@ def test_a_group_in_balance_has_no_loss_whatever_its_log_z():
     assert loss.item() == pytest.approx(0.0, abs=1e-9) and log_z.item() == pytest.approx(3.0)
 
 
-def test_beta_falls_linearly_to_its_final_value_then_stays():
-    args = types.SimpleNamespace(beta=1.0, beta_final=0.05, beta_anneal_updates=32)  # the paper's TL;DR schedule
+def test_beta_falls_linearly_to_its_final_value_then_stays_and_can_be_cut_short():
+    args = types.SimpleNamespace(beta=1.0, beta_final=0.05, beta_anneal_updates=32, beta_cut_update=0)
     assert [tba.annealed_beta(args, u) for u in (1, 17, 33, 100)] == pytest.approx([1.0, 0.525, 0.05, 0.05])
-    assert tba.annealed_beta(types.SimpleNamespace(beta=0.3, beta_final=None, beta_anneal_updates=0), 50) == 0.3
+    assert tba.annealed_beta(types.SimpleNamespace(beta=0.3, beta_final=None, beta_anneal_updates=0,
+                                                   beta_cut_update=0), 50) == 0.3
+    # TBA's TL;DR (its code): 1.0 falling linearly towards 0.05 over 128 steps, and 0.05 from step 32 on.
+    tldr = types.SimpleNamespace(beta=1.0, beta_final=0.05, beta_anneal_updates=128, beta_cut_update=32)
+    betas = [tba.annealed_beta(tldr, u) for u in (1, 31, 32, 129, 256)]
+    assert betas == pytest.approx([1.0, 1.0 - 0.95 * 30 / 128, 0.05, 0.05, 0.05]) and round(betas[1], 2) == 0.78
+    assert sum(tba.annealed_beta(tldr, u) for u in range(1, 32)) / 31 == pytest.approx(0.889, abs=1e-3)
 
 
 def test_the_buffer_keeps_each_prompts_newest_unique_responses_and_the_newest_batch_with_its_repeats():
