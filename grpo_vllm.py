@@ -384,6 +384,10 @@ def main(args):
         print(f"run {run_dir}: {args.num_updates} updates of {args.batch_size} responses "
               f"({args.batch_size // args.k} prompts x {args.k}); --loss-type {args.loss_type} with "
               + ", ".join(f"--{name.replace('_', '-')} {getattr(args, name)}" for name in in_force), flush=True)
+        if args.num_mini_batches == args.num_ppo_epochs == 1:
+            print(f"one optimizer step per batch: the ratio to the policy before the update is exactly 1, so --loss-type "
+                  f"{args.loss_type}'s clip has no effect (its paper took several steps a batch: --num-mini-batches)",
+                  flush=True)
 
     pad = tokenizer.pad_token_id
     if not args.resume:  # the curves start from the SFT policy

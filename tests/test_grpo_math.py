@@ -295,6 +295,8 @@ def test_dynamic_sampling_refills_each_batch_with_varied_groups_and_resumes_exac
                         "--output-dir", str(whole))
     assert "--loss-type dapo with --beta 0.0, --cliprange-low 0.2, --cliprange-high 0.28, --overlong-buffer 3, " \
            "--overlong-filter False, --dynamic-sampling-rounds 10" in result.stdout
+    assert "one optimizer step per batch: the ratio to the policy before the update is exactly 1, so --loss-type " \
+           "dapo's clip has no effect" in result.stdout
     rows = read_metrics(run_dir_of(whole))[1:]
     assert [row["update"] for row in rows] == [1, 2, 3, 4]
     assert all(row["objective/generation_batches"] >= 2 for row in rows)  # half the groups equal: never one batch
