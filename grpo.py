@@ -125,7 +125,9 @@ class Args:
     overlong_filter: bool = False
     """leave responses cut at --response-length (no stop token) out of the loss (DAPO's overlong filtering)"""
     dynamic_sampling_rounds: Optional[int] = None
-    """DAPO's dynamic sampling: train only on prompts whose k reward scores differ, generating up to this many batches of prompts to fill a batch, else stop with an error (0: off; default by --loss-type: dapo 10, the others 0)"""
+    """DAPO's dynamic sampling: train only on prompts whose k rewards differ, generating up to this many rounds of --dynamic-sampling-batches batches of prompts to fill a batch, else stop with an error (0: off; default by --loss-type: dapo 10, the others 0)"""
+    dynamic_sampling_batches: int = 1
+    """batches of prompts each dynamic-sampling round generates at once (verl's DAPO recipe: 3)"""
 
     # LoRA (--lora-rank 0: full fine-tuning)
     lora_rank: int = 0
@@ -321,7 +323,8 @@ def main(args):
 
     run_log = RunLog(args, run_dir, run_name, start_update, episode)  # metrics.jsonl, wandb, the console
     if rank == 0:  # with the values in force of the arguments whose default is the loss type's
-        in_force = (*loss_defaults(args.loss_type, 0), "overlong_filter", "dynamic_sampling_rounds")
+        in_force = (*loss_defaults(args.loss_type, 0), "overlong_filter", "dynamic_sampling_rounds",
+                    "dynamic_sampling_batches")
         print(f"run {run_dir}: {args.num_updates} updates of {args.batch_size} responses "
               f"({args.batch_size // args.k} prompts x {args.k}); --loss-type {args.loss_type} with "
               + ", ".join(f"--{name.replace('_', '-')} {getattr(args, name)}" for name in in_force), flush=True)
@@ -339,13 +342,15 @@ def main(args):
     for update in range(start_update + 1, args.num_updates + 1):
         # 1. Generate k responses per prompt with the current policy and score them (the missing-EOS penalty or DAPO's
         #    overlong shaping included). With dynamic sampling (DAPO), only prompts whose k rewards differ stay (before
-        #    shaping: a group that differs only in length is left out), and further batches of prompts are generated
-        #    until every rank has a batch of them; the surplus is dropped.
+        #    shaping: a group that differs only in length is left out), and further rounds of batches of prompts are
+        #    generated until every rank has a batch of them; the surplus is dropped.
         t0, generating, parts, generated_groups, equal_groups = time.time(), 0.0, [], 0, 0
         while True:
-            indices = prompt_batch(len(train_prompts), prompts_per_rank, generation_batch, args.seed, rank,
-                                   args.world_size)
-            generation_batch += 1
+            batches = args.dynamic_sampling_batches
+            indices = [i for batch in range(generation_batch, generation_batch + batches)
+                       for i in prompt_batch(len(train_prompts), prompts_per_rank, batch, args.seed, rank,
+                                             args.world_size)]
+            generation_batch += batches
             queries = left_pad([train_prompts[i] for i in indices], pad, device).repeat(args.k, 1)
             answers = [train_answers[i] for i in indices] * args.k  # the k blocks of queries
             started = time.time()
@@ -359,8 +364,8 @@ def main(args):
                                     for i in range(0, len(query_responses), step)])
             scores = shaped_scores(args, raw_scores, responses, stop_id)
             parts.append((queries, responses, raw_scores, scores))
-            equal = groups_of_equal_rewards(raw_scores, args.k)[:prompts_per_rank]  # per prompt: k rewards alike
-            generated_groups, equal_groups = generated_groups + prompts_per_rank, equal_groups + equal.sum().item()
+            equal = groups_of_equal_rewards(raw_scores, args.k)[:len(indices)]  # per prompt: k rewards alike
+            generated_groups, equal_groups = generated_groups + len(indices), equal_groups + equal.sum().item()
             if not args.dynamic_sampling_rounds:
                 break
             parts[-1] = [t.view(args.k, -1, *t.shape[1:])[:, ~equal].flatten(0, 1) for t in parts[-1]]
@@ -369,8 +374,9 @@ def main(args):
             if kept >= prompts_per_rank:
                 break
             if len(parts) == args.dynamic_sampling_rounds:
-                fail("dynamic_sampling_rounds", f"{len(parts)} batches of prompts gave a rank only {kept.item()} of "
-                                                f"{prompts_per_rank} prompts whose {args.k} scores differ; allow more")
+                made = f"{len(parts)} rounds of {batches}" if batches > 1 else str(len(parts))
+                fail("dynamic_sampling_rounds", f"{made} batches of prompts gave a rank only {kept.item()} of "
+                                                f"{prompts_per_rank} prompts whose {args.k} rewards differ; allow more")
         queries, responses, raw_scores, scores = merge_groups(parts, args.k, prompts_per_rank, pad)
         context_length = queries.shape[1]
         query_responses = torch.cat([queries, responses], 1)
@@ -445,7 +451,7 @@ def main(args):
             "objective/raw_scores": raw_scores.mean().item(),
             "objective/kl": kl.mean().item(),
             "objective/equal_score_groups": equal_groups / generated_groups,
-            "objective/generation_batches": len(parts),
+            "objective/generation_batches": len(parts) * args.dynamic_sampling_batches,
             "objective/entropy": (-logprobs).sum(1).mean().item(),
             "policy/entropy_avg": step_means["entropy"],
             "loss/policy_avg": step_means["loss"],
@@ -495,6 +501,9 @@ def validate(args):
     lower = () if args.loss_type == "cispo" else ("cliprange_low",)
     check_bounds(args, positive=("cliprange_high",), at_least_0=("beta", "overlong_buffer", "dynamic_sampling_rounds"),
                  lower_clips=lower)
+    if args.dynamic_sampling_batches < 1 or (args.dynamic_sampling_batches > 1 and not args.dynamic_sampling_rounds):
+        fail("dynamic_sampling_batches", f"must be at least 1, and 1 without dynamic sampling (--dynamic-sampling-rounds "
+                                         f"{args.dynamic_sampling_rounds}), got {args.dynamic_sampling_batches}")
     if args.overlong_buffer > args.response_length:
         fail("overlong_buffer", f"must be at most --response-length ({args.response_length}), got {args.overlong_buffer}")
     if args.k < 2:

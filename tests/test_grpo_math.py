@@ -288,8 +288,9 @@ MATH = ["--rule-reward", "last_number", "--sft-model-path", "assets/tiny_math/sf
 @pytest.mark.slow
 def test_dynamic_sampling_refills_each_batch_with_varied_groups_and_resumes_exactly(tmp_path):
     """On the math task about half the groups score all 0 or all 1: DAPO's dynamic sampling generates further
-    batches of prompts until 16 with differing scores fill the batch (each update logs how many it took), a checkpoint
-    holds the count of batches used, so a resumed run draws the same prompts, and one round too few ends in one line."""
+    batches of prompts until 16 with differing rewards fill the batch (each update logs how many it took), a checkpoint
+    holds the count of batches used, so a resumed run draws the same prompts, one round too few ends in one line, and
+    a round may generate several batches at once."""
     whole = tmp_path / "whole"
     result = run_script("grpo.py", "--loss-type", "dapo", *MATH, "--total-episodes", "256", "--save-every", "2",
                         "--output-dir", str(whole))
@@ -310,4 +311,10 @@ def test_dynamic_sampling_refills_each_batch_with_varied_groups_and_resumes_exac
     failed = run_script("grpo.py", "--loss-type", "dapo", *MATH, "--total-episodes", "64", "--dynamic-sampling-rounds",
                         "1", "--output-dir", str(tmp_path / "failed"), check=False)
     assert_bad_input_result(failed.returncode, failed.stderr, 0, "--dynamic-sampling-rounds")
-    assert "prompts whose 4 scores differ" in failed.stderr
+    assert "1 batches of prompts gave a rank only" in failed.stderr and "whose 4 rewards differ" in failed.stderr
+
+    # Rounds of 3 batches at once (verl's recipe): one round fills the batch, as half the groups differ.
+    run_script("grpo.py", "--loss-type", "dapo", *MATH, "--total-episodes", "128", "--dynamic-sampling-batches", "3",
+               "--output-dir", str(tmp_path / "three"))
+    batches = [row["objective/generation_batches"] for row in read_metrics(run_dir_of(tmp_path / "three"))[1:]]
+    assert batches == [3, 3], batches
