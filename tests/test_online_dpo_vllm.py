@@ -369,22 +369,24 @@ def test_vllm_never_outlives_a_learner_killed_with_sigkill(tmp_path):
 
 
 # verl's and ms-swift's bug (the generator silently kept sampling from an old policy), made at each point where the
-# weight check is scheduled: at the start (the learner's policy is not the model vLLM loaded: its weights changed after
-# loading), after the first hand-off (version 1 never reaches vLLM: checked whatever --check-weights-every says) and at
-# every N-th (version 2 never reaches it, N = 2). The run itself, with its generator's loading of that version skipped.
+# weight check is scheduled: at the start (vLLM starts from the SFT model while the learner holds other weights, as a
+# resume that forgot the checkpoint's would), after the first hand-off (version 1 never reaches vLLM: checked whatever
+# --check-weights-every says) and at every N-th (version 2 never reaches it, N = 2). The run itself, patched.
 BROKEN = """
 import runpy, sys, torch
 import data, generator
 version = int(sys.argv.pop(1))
-load, load_into_vllm = data.load_model, generator.load_into_vllm
+load, load_into_vllm, start_vllm = data.load_model, generator.load_into_vllm, generator.start_vllm
 def perturbed(args, path, reward=False, trained=False):
     model = load(args, path, reward, trained)
     if trained:
         with torch.no_grad():
-            next(model.parameters()).add_(0.1)
+            weight = next(model.parameters())  # the embeddings (a constant shift would leave the norms' outputs)
+            weight.add_(0.1 * torch.randn(weight.shape, generator=torch.Generator().manual_seed(0)))
     return model
 if version == 0:
     data.load_model = perturbed
+    generator.start_vllm = lambda args, path, *rest, **options: start_vllm(args, args.sft_model_path, *rest, **options)
 generator.load_into_vllm = lambda llm, path: None if path.endswith(f"policy-{version}") else load_into_vllm(llm, path)
 sys.argv = ["online_dpo_vllm.py", *sys.argv[1:]]
 runpy.run_path("online_dpo_vllm.py", run_name="__main__")
