@@ -79,7 +79,7 @@ def smollm2():
 
 # pytest.ini runs the tests in two processes, each taking a whole file at a time (a file's module-scoped runs are then
 # made once). The longest files go first, so that neither process is left with one at the end.
-LONGEST_FIRST = ["test_learning.py", "test_lora.py", "test_scripts_run.py", "test_real_model.py",
+LONGEST_FIRST = ["test_learning.py", "test_lora.py", "test_scripts_run.py", "test_knobs.py", "test_real_model.py",
                  "test_online_dpo_vllm.py", "test_math_and_chat.py", "test_benchmark.py"]
 
 

@@ -96,7 +96,7 @@ def test_math_task_assets_have_disjoint_splits_answers_and_headroom():
 
 @pytest.mark.slow
 def test_quick_rebuild_of_the_math_task(tmp_path):
-    result = run_script("assets/make_tiny_math.py", "--quick", timeout=300)
+    result = run_script("assets/make_tiny_math.py", "--quick", timeout=900)
     out = result.stdout.strip().splitlines()[-1].split()[-1]
     try:
         assert sorted(os.listdir(out)) == ["README.md", "build_stats.json", "data", "sft"]

@@ -72,7 +72,7 @@ def test_gold_reward_model_ranks_responses_like_the_gold_function():
 @pytest.mark.slow
 def test_quick_rebuild(tmp_path):
     out = tmp_path / "tiny"
-    run_script("assets/make_tiny.py", "--quick", "--out", str(out), timeout=300)
+    run_script("assets/make_tiny.py", "--quick", "--out", str(out), timeout=900)  # (slower beside another test)
     for name in ("sft", "reward", "gold_reward"):
         assert os.path.isfile(out / name / "config.json") and os.path.isfile(out / name / "tokenizer.json")
     assert sum(1 for _ in open(out / "data" / "train.jsonl")) == 4000
