@@ -121,7 +121,6 @@ def main():
         lines.append(f"[{time.time() - start:7.1f}s] {message}")
         print(lines[-1], flush=True)
 
-    torch.set_num_threads(max(1, os.cpu_count() or 1))
     rng = random.Random(args.seed)
     pairs = [(a, b, op) for a in range(10, 100) for b in range(2, 10) for op in "+-"]
     rng.shuffle(pairs)
