@@ -17,11 +17,13 @@
 #     responses of 128 tokens, prompts of up to 512, temperature 0.7, a response without EOS scored -1 (TRL's
 #     non_eos_penalty), beta 1.0 falling linearly towards 0.05 at step 129 and set to 0.05 from step 32 (1.0 -> 0.78,
 #     then 0.05: --beta-anneal-updates 128 --beta-cut-update 32), a prompt of the newest batch with probability 0.5, else
-#     any prompt with its responses drawn by exp(score) (inv_temp 1), 100 responses a prompt in the buffer.
+#     any prompt with its responses drawn by exp(score) (inv_temp 1), 100 responses a prompt in the buffer, 10,000
+#     responses of the SFT policy in it before the first step (--buffer-prefill: 63 batches, 10,080).
 #   GSM8K: SFT realtreetune/rho-1b-sft-GSM8K, the last-number reward, 20 responses a prompt, 20 x 7 = 140 responses
 #     (7 prompts) a step, 98,000 responses = 700 steps, learning rate 1e-5, responses of 512 tokens, no penalty for a
 #     missing EOS, beta 0.014 (the launcher's) falling linearly to 0.004 over 500 steps, the newest batch with probability
-#     0.95, else uniformly (inv_temp 0), bf16.
+#     0.95, else uniformly (inv_temp 0), 500 responses of the SFT policy in the buffer before the first step (4
+#     batches, 560), bf16.
 #   Both: no gradient clipping (ds_configs/zero2_noclip.json; the TB loss's gradient scales as 1 / beta, which a clip
 #   at 1.0 would cut at nearly every step).
 # Where this differs from TBA's code:
@@ -29,10 +31,10 @@
 #   steps (TL;DR) or 2 (GSM8K), so its newest data are k to 2k - 1 steps stale, (3k - 1) / 2 on average (its Table 1:
 #   15 for k = 10); here one vLLM engine generates each batch with the weights of exactly K updates before, K that
 #   mean rounded up (--off-policy-steps 15 and 3).
-# - TBA fills its buffer with 10,000 (TL;DR) or 500 (GSM8K) responses before training, and on GSM8K generates 24
-#   responses a prompt and trains on 20; here the buffer starts empty and a prompt's k responses are generated, so
-#   the first prompts are replayed more often. TBA draws buffered prompts without replacement until each has been
-#   drawn; here each draw is independent.
+# - TBA's searchers go on generating while the trainer steps (the buffer grows by their pace); here the buffer grows
+#   by one batch an update after its pre-fill, rounded up to whole batches. On GSM8K TBA generates 24 responses a
+#   prompt and trains on 20; here a prompt's k responses are generated. TBA draws buffered prompts without
+#   replacement until each has been drawn; here each draw is independent.
 # - The learning rate: TBA's GSM8K uses warm-up, stable and decay phases (350 stable steps, 600 of decay); here it
 #   decays linearly to zero. Adam's eps is 1e-5 here (every script), 1e-8 in TBA.
 # - Precision: TBA trains TL;DR in fp32 with its searchers in fp16; here the learner and vLLM share one dtype, bf16.
@@ -55,7 +57,8 @@ case $task in
                --max-prompt-length 512 --response-length 128 --temperature 0.7 --missing-eos-mode replace
                --missing-eos-penalty -1.0 --k 20 --per-device-train-batch-size 20 --gradient-accumulation-steps 8
                --total-episodes 40960 --learning-rate 3e-6 --beta 1.0 --beta-final 0.05 --beta-anneal-updates 128
-               --beta-cut-update 32 --recent-prob 0.5 --inv-temp 1 --buffer-size 100 --off-policy-steps 15 --bf16
+               --beta-cut-update 32 --recent-prob 0.5 --inv-temp 1 --buffer-size 100 --buffer-prefill 10000
+               --off-policy-steps 15 --bf16
                --deepspeed-config ds_configs/zero2_noclip.json --eval-every 16 --num-eval-prompts 512 --save-every 64
                --track --wandb-project-name tba-tldr --exp-name "tba_tldr_$size" --output-dir "$out")
         evaluate=(python evaluate.py --checkpoints "$out/RUN" --sft-model-path "mnoukhov/pythia${size}-sft-tldr"
@@ -69,7 +72,8 @@ case $task in
                 --max-prompt-length 512 --response-length 512 --temperature 0.7 --missing-eos-penalty 0 --k 20
                 --per-device-train-batch-size 20 --gradient-accumulation-steps 7 --total-episodes 98000
                 --learning-rate 1e-5 --beta 0.014 --beta-final 0.004 --beta-anneal-updates 500 --recent-prob 0.95
-                --inv-temp 0 --buffer-size 100 --off-policy-steps 3 --bf16 --deepspeed-config ds_configs/zero2_noclip.json
+                --inv-temp 0 --buffer-size 100 --buffer-prefill 500 --off-policy-steps 3 --bf16
+                --deepspeed-config ds_configs/zero2_noclip.json
                 --eval-every 50 --num-eval-prompts 256 --save-every 100 --track --wandb-project-name tba-gsm8k
                 --exp-name tba_gsm8k --output-dir "$out")
          evaluate=(python evaluate.py --checkpoints "$out/RUN" --sft-model-path "$sft" --rule-reward last_number

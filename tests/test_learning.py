@@ -81,7 +81,7 @@ LEARNING = [  # (in pairs that run side by side: see learning_runs)
     (["grpo.py"], 0.6, 0.1),
     (["grpo_vllm.py"], 0.6, 0.1),
     (["tba.py"], 0.6, 0.1),
-    (["tba_vllm.py"], 0.6, 0.1),
+    (["tba_vllm.py", "--buffer-prefill", "100"], 0.6, 0.1),  # two batches into the buffer before update 1
 ]
 # (The asynchronous rloo_vllm.py hands its weights over in memory, the others through files, the CPU's default. The
 # first batch of every asynchronous run is on-policy: its correction weights must be 1. --sync runs the same
@@ -143,9 +143,11 @@ def test_default_run_logs_saves_and_learns(learning_runs, case):
     assert abs(first[kl + "kl"]) < 1e-6  # before the first update the policy is the reference
     if script.startswith(("rloo", "ppo", "grpo")):
         assert abs(first["val/ratio"] - 1) < 1e-5  # one update per batch: the ratio is exactly one
-    if script.startswith("tba"):  # the first batch is all new: half its groups drawn as new, the rest from it too
-        assert first["buffer/staleness_max"] == 0 and first["buffer/prompts"] == 16
-        assert rows[-1]["buffer/staleness_max"] > 1 and rows[-1]["buffer/prompts"] > 16
+    if script.startswith("tba"):  # half the first groups drawn as new, the rest from the buffer: the first batch, and
+        # in tba_vllm.py the two before it, all by the SFT policy (--buffer-prefill 100: two batches of 64, 32 prompts)
+        prompts = 16 + (32 if "--buffer-prefill" in command else 0)
+        assert first["buffer/staleness_max"] == 0 and first["buffer/prompts"] == prompts
+        assert rows[-1]["buffer/staleness_max"] > 1 and rows[-1]["buffer/prompts"] > prompts
     if script.startswith(("rloo", "ppo", "online_dpo")):  # (GRPO's KL is in its loss, best-of-k's nowhere)
         scores = "pairs/scores" if script.startswith("online_dpo") else "objective/scores"
         assert first[kl + "rlhf_reward"] == pytest.approx(first[scores] + first[kl + "non_score_reward"])

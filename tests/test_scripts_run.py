@@ -167,11 +167,12 @@ def test_two_process_deepspeed_zero2_and_zero3_train_the_same_model(tmp_path, sc
 
 # The per-rank state of the synchronous scripts on two ranks: DAPO's dynamic sampling (each rank refills its share of
 # the batch; the ranks agree on the number of generation batches, which a checkpoint keeps) on the math task, where
-# about half the groups score alike, and TBA's replay buffers (one per rank, saved by each). Each run is resumed from
-# its checkpoint-2 and must repeat updates 3 and 4.
+# about half the groups score alike, and TBA's replay buffers (one per rank, saved by each; pre-filled with two batches
+# by --buffer-prefill 100, which the resumed run must not repeat). Each run is resumed from its checkpoint-2 and must
+# repeat updates 3 and 4.
 TWO_RANKS = [["grpo.py", "--loss-type", "dapo", "--rule-reward", "last_number", "--sft-model-path",
               "assets/tiny_math/sft", "--dataset-name", "assets/tiny_math/data", "--num-eval-prompts", "16"],
-             ["tba.py", "--num-eval-prompts", "32"]]
+             ["tba.py", "--num-eval-prompts", "32", "--buffer-prefill", "100"]]
 
 
 @pytest.mark.parametrize("command", TWO_RANKS, ids=[c[0] for c in TWO_RANKS])
@@ -187,10 +188,10 @@ def test_two_ranks_keep_their_own_refills_and_buffers_and_resume_them(tmp_path, 
                   if f.startswith("rng_rank")) == ["rng_rank0.pt", "rng_rank1.pt"]
     if command[0] == "grpo.py":  # every update took more than one generation batch to fill on both ranks
         assert all(row["objective/generation_batches"] >= 2 for row in rows[1:]), rows
-    else:  # each rank's buffer grows with its own batches, and is replayed from
+    else:  # each rank's buffer starts with two batches of 8 prompts and grows with its own batches, replayed from
         assert [os.path.exists(os.path.join(run_dir, "checkpoint-2", "training_state", f"state_rank{r}.pt"))
                 for r in (0, 1)] == [True, True]
-        assert rows[4]["buffer/prompts"] > rows[1]["buffer/prompts"] and rows[4]["buffer/staleness_max"] > 0
+        assert [row["buffer/prompts"] for row in rows[1:]] == [24, 32, 40, 48] and rows[4]["buffer/staleness_max"] > 0
     resumed = tmp_path / "resumed" / os.path.basename(run_dir)
     shutil.copytree(run_dir, resumed, ignore=shutil.ignore_patterns("checkpoint-4"))
     launch_two_processes(tmp_path, free_port(), [*common, "--resume", str(resumed / "checkpoint-2")], nodes=1)

@@ -192,24 +192,25 @@ def test_no_robots_chat_template_is_the_tulu_format():
 # TBA's own settings (github.com/bbartoldson/TBA: configs/tba_pythia2.8b_tldr.yml, tba_rho1b_gsm8k.yml,
 # launch_training_*.sh and the TBAConfig* defaults): k, responses a step, steps, learning rate, response length,
 # beta from -> to (reached at step 1 + anneal, or from the cut's step), newest-batch probability, inv_temp, the
-# weights' staleness (TBA's mean for its sync interval k: (3k - 1) / 2, rounded up).
-TBA = {"tldr": (20, 160, 256, 3e-6, 128, (1.0, 0.05, 128, 32), 0.5, 1.0, 15),
-       "gsm8k": (20, 140, 700, 1e-5, 512, (0.014, 0.004, 500, 0), 0.95, 0.0, 3)}
+# weights' staleness (TBA's mean for its sync interval k: (3k - 1) / 2, rounded up), the responses in the buffer
+# before the first step.
+TBA = {"tldr": (20, 160, 256, 3e-6, 128, (1.0, 0.05, 128, 32), 0.5, 1.0, 15, 10000),
+       "gsm8k": (20, 140, 700, 1e-5, 512, (0.014, 0.004, 500, 0), 0.95, 0.0, 3, 500)}
 
 
 @pytest.mark.parametrize("task", TBA)
 def test_tba_commands_match_tbas_code(task):
     train, evaluation = _printed_by("tba.sh", task, *(["1b"] if task == "tldr" else []))
     gpus, script, args = _parsed(train)
-    k, batch, steps, lr, length, beta, recent, inv_temp, staleness = TBA[task]
+    k, batch, steps, lr, length, beta, recent, inv_temp, staleness, prefill = TBA[task]
     assert (script, gpus, args.vllm_gpu, args.k) == ("tba_vllm.py", 1, 1, k)
     assert (args.per_device_train_batch_size * args.gradient_accumulation_steps, args.total_episodes // batch) == (
         batch, steps) and args.total_episodes % batch == 0
     assert (args.learning_rate, args.response_length, args.max_prompt_length, args.temperature) == (lr, length, 512, 0.7)
     assert (args.beta, args.beta_final, args.beta_anneal_updates, args.beta_cut_update) == beta
     assert args.deepspeed_config == "ds_configs/zero2_noclip.json"  # TBA clips no gradient
-    assert (args.recent_prob, args.inv_temp, args.buffer_size, args.off_policy_steps) == (recent, inv_temp, 100,
-                                                                                         staleness)
+    assert (args.recent_prob, args.inv_temp, args.buffer_size, args.off_policy_steps, args.buffer_prefill) == (
+        recent, inv_temp, 100, staleness, prefill)
     if task == "tldr":  # TRL's non_eos_penalty: -1 in place of the score
         assert (args.missing_eos_mode, args.missing_eos_penalty, args.sft_model_path) == (
             "replace", -1.0, "mnoukhov/pythia1b-sft-tldr")
