@@ -66,8 +66,9 @@ ALGORITHM_METRICS.update({
 # In 100 updates (this test until session 48) they reached +3.4 to +3.9 and +0.6 to +0.7.
 # Not learning runs in CI, which keeps under 50 minutes: online_dpo.py --loss-type ipo (-0.41 -> 1.37, 0.20 -> 0.51 in
 # 100 updates: IPO's fixed target margin holds it back) and grpo.py's other loss types (in 100 updates:
-# benchmark/results/grpo_loss_types_tiny.txt; cispo as dapo and gspo as grpo: one update per batch, on-policy, is where
-# they meet). tests/test_knobs.py runs each for two updates, and the *_math.py tests check each loss by hand.
+# benchmark/results/grpo_loss_types_tiny.txt; cispo as dapo and gspo as grpo without KL: one update per batch,
+# on-policy, is where they meet). tests/test_knobs.py runs each for two updates, and the *_math.py tests check each
+# loss by hand.
 UPDATES = 50
 LEARNING = [  # (in pairs that run side by side: see learning_runs)
     (["rloo.py"], 0.6, 0.1),

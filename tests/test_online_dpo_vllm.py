@@ -311,7 +311,8 @@ def test_a_hand_off_that_fails_on_the_learners_side_raises_and_exits_at_once(hun
     as usual and the process exits within seconds. Python joins vLLM's sender thread at exit, where the worker's
     update_weights waits for the rest of the broadcast: it must end then, not at --generation-timeout (60 s here)."""
     returncode, stdout, errors, took, alive = hung_pushes["raise"]
-    assert "raised: handing version 1 of the policy to vLLM failed: the learner ran out of memory" in stdout, stdout
+    assert "raised: handing version 1 of the policy to vLLM failed: the learner ran out of memory" in stdout, (
+        returncode, errors, took, stdout[-2000:])
     assert returncode == 1 and not errors and took < 15, (returncode, errors, took)
     assert not alive, [(p.pid, p.name()) for p in alive]
 
