@@ -9,6 +9,7 @@ import functools
 import glob
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -362,6 +363,8 @@ def test_vllm_never_outlives_a_learner_killed_with_sigkill(tmp_path):
     finally:
         process.kill()
     process.wait()
+    for left in glob.glob(f"/dev/shm/*-{process.pid}-weights"):  # SIGKILL leaves no time to clean up
+        shutil.rmtree(left)
     deadline = time.time() + 20
     while [p for p in children if p.is_running() and p.status() != psutil.STATUS_ZOMBIE] and time.time() < deadline:
         time.sleep(0.5)
