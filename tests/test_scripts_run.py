@@ -450,7 +450,8 @@ COMPUTED = {"local_rank", "world_size", "local_batch_size", "batch_size", "num_u
 NEGATIVE_OK = {"missing_eos_penalty"}
 ZERO_OK = {"seed", "missing_eos_penalty", "kl_coef", "beta", "gamma", "lam", "is_cap", "eval_every", "save_every",
            "check_weights_every", "overlong_buffer", "dynamic_sampling_rounds", "beta_anneal_updates", "beta_cut_update",
-           "recent_prob", "inv_temp", "lora_rank", "lora_dropout"}  # (0: none, never, uniformly, or full fine-tuning)
+           "recent_prob", "inv_temp", "buffer_prefill", "lora_rank",
+           "lora_dropout"}  # (0: none, never, uniformly, or full fine-tuning)
 CHOICES = ("missing_eos_mode", "loss_type", "is_level", "is_mode", "weight_sync", "rule_reward", "backend")
 
 
