@@ -104,8 +104,9 @@ def learning_runs(tmp_path_factory):
     on both cores, overlaps the other's start-up and shutdown, which take one core or none: vLLM's processes start
     one after another), each followed by its resumed copy. Their metrics do not depend on timing. Returns, for each,
     (the finished process, its directory, the resumed run's process, its run directory)."""
-    def one(command):
-        tmp = tmp_path_factory.mktemp(command[0][:-3])
+    directories = [tmp_path_factory.mktemp(command[0][:-3]) for command, *_ in LEARNING]  # (mktemp: not thread-safe)
+
+    def one(command, tmp):
         eager = ["--vllm-enforce-eager"] if command[0].endswith("_vllm.py") else []  # starts faster: short runs
         common = [*command, *eager, "--learning-rate", "1e-4", "--total-episodes", str(64 * UPDATES), "--eval-every",
                   str(UPDATES), "--save-every", str(RESUMED_AT)]
@@ -119,7 +120,7 @@ def learning_runs(tmp_path_factory):
                                        check=False), resumed
 
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        return list(pool.map(one, [command for command, *_ in LEARNING]))
+        return list(pool.map(one, [command for command, *_ in LEARNING], directories))
 
 
 @pytest.mark.parametrize("case", range(len(LEARNING)), ids=[" ".join(c) for c, *_ in LEARNING])

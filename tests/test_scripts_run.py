@@ -413,16 +413,19 @@ def warm_runs(tmp_path_factory):
     def files_under(directory):
         return {path: path.read_bytes() for path in directory.rglob("*") if path.is_file()}
 
+    bad_input = {case: tmp_path_factory.mktemp(f"bad_input_{case}") for case in range(len(BAD_INPUT))}
+    forked = {script: tmp_path_factory.mktemp("forked") for script in ALGORITHMS}  # (mktemp: not thread-safe)
+
     def one(script):
         cases, outputs = [["--help"]], [None]
         for case, (name, arguments, _) in enumerate(BAD_INPUT):
             if name == script:
-                tmp = tmp_path_factory.mktemp(f"bad_input_{case}")
+                tmp = bad_input[case]
                 arguments = [bad_path(tmp, a) if a.isupper() else a for a in arguments]
                 cases.append([*arguments, *([] if "--output-dir" in arguments else ["--output-dir", str(tmp)])])
                 outputs.append(tmp)
         before = [tmp and files_under(tmp) for tmp in outputs]
-        results = forked_runs(script, cases, tmp_path_factory.mktemp("forked") / f"{script}.json", {"COLUMNS": "300"},
+        results = forked_runs(script, cases, forked[script] / f"{script}.json", {"COLUMNS": "300"},
                               mode="checks")  # a case that got as far as loading a model exits 3, not 2
         return script, [(result, tmp, tmp is None or files_under(tmp) == files)
                         for result, tmp, files in zip(results, outputs, before)]
