@@ -136,7 +136,7 @@ class Args:
     lora_alpha: float = 32.0
     """LoRA's scale: the adapter's output is multiplied by lora_alpha / lora_rank"""
     lora_dropout: float = 0.0
-    """dropout on the adapter's input (0: the sampling and training log-probabilities of a token stay equal)"""
+    """dropout on the adapter's input: 0 only (sampling runs without dropout, so any other value makes a policy's ratio to itself differ from 1)"""
     lora_target_modules: str = "all-linear"
     """the linear layers that get an adapter: all-linear (every one but the output layer) or names, such as q_proj,v_proj"""
 
