@@ -18,7 +18,8 @@
 # data openai/gsm8k (config main, train; test for evaluation), prompt "[MATH_TASK] Problem:\n<question>
 # \n\nSolution:", temperature 0.7, responses of up to 512 tokens, no penalty for a missing EOS, gradient
 # clipping 1.0, one epoch, one mini-batch, bf16, DeepSpeed ZeRO-2 (the code's TL;DR launchers; assumed
-# here), vLLM on its own GPU. Evaluation: greedy (temperature 0), 512 tokens, the whole test split.
+# here), vLLM on its own GPU, no importance weights off-policy (RLOO and PPO: --is-cap 0, in both modes;
+# docs/off_policy_correction.md). Evaluation: greedy (temperature 0), 512 tokens, the whole test split.
 #   online DPO (configs/onlinedpo_rho1b_gsm8k_4a100_sync.yml): k = 4 samples a prompt (best and worst
 #     form the pair), beta 0.1, learning rate 3e-6, 3 GPUs x 11 prompts x 8 accumulation = 264 prompts
 #     (1056 responses) an update, 135,168 prompts = 512 updates.
@@ -55,8 +56,8 @@ batch() { echo --per-device-train-batch-size "$1" --gradient-accumulation-steps 
 epochs=1
 case $algorithm in
   online_dpo) train=(online_dpo_vllm.py --k 4 --beta 0.1 --loss-type sigmoid $(batch 44 8) --total-episodes 540672) ;;
-  rloo) train=(rloo_vllm.py --k 4 --kl-coef 0.05 $(batch 6 14) --total-episodes 516096) ;;
-  ppo) train=(ppo_vllm.py --kl-coef 0.05 $(batch 6 14) --total-episodes 516096) epochs=2 ;;
+  rloo) train=(rloo_vllm.py --k 4 --kl-coef 0.05 --is-cap 0 $(batch 6 14) --total-episodes 516096) ;;
+  ppo) train=(ppo_vllm.py --kl-coef 0.05 --is-cap 0 $(batch 6 14) --total-episodes 516096) epochs=2 ;;
   *) echo "error: algorithm must be online_dpo, rloo or ppo, got $algorithm" >&2; exit 2 ;;
 esac
 train=(deepspeed --num_gpus 3 "${train[@]}" --sft-model-path "$sft" --rule-reward last_number --answer-column answer

@@ -58,12 +58,24 @@ def _printed(algorithm, size, mode):
     return train, evaluation
 
 
+# The scripts with the off-policy correction (docs/off_policy_correction.md). The paper's code, and TBA's, weight no
+# sample by an importance ratio: every paper command of these scripts turns it off (--is-cap 0), in both modes (--sync
+# too: vLLM's and the learner's log-probabilities differ a little even on-policy, and the paper's code ignores that).
+IS_CORRECTED = {"rloo_vllm.py", "ppo_vllm.py", "grpo_vllm.py"}
+
+
 def _parsed(command):
-    """(launcher GPUs, script, its Args as the script would parse them)."""
+    """(launcher GPUs, script, its Args as the script would parse them), after checking the off-policy correction:
+    off where the script has one, no --is-cap where it has none (a script that gains one: check it against the
+    paper)."""
     script = next(word for word in command if word.endswith(".py"))
     gpus = int(command[command.index("--num_gpus") + 1]) if command[0] == "deepspeed" else 1
     argv = command[command.index(script) + 1:]
     args = tyro.cli(MODULES[script].Args, args=argv)
+    if script in IS_CORRECTED:
+        assert args.is_cap == 0.0, f"{script}: the paper's code has no importance weights (--is-cap 0): {args.is_cap}"
+    else:
+        assert not hasattr(args, "is_cap"), f"{script} now has --is-cap: check it against the paper (IS_CORRECTED)"
     return gpus, script, args
 
 
