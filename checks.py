@@ -184,14 +184,16 @@ def check_bounds(args, positive=(), at_least_0=(), lower_clips=()):
 
 
 def check_lora(args):
-    """--lora-rank 0 (full fine-tuning) or a LoRA adapter: a positive alpha, a dropout in [0, 1), target modules the
+    """--lora-rank 0 (full fine-tuning) or a LoRA adapter: a positive alpha, no dropout, target modules the
     policy has (its module names read from an empty, meta-device copy: nothing loads)."""
     if args.lora_rank < 0:
         fail("lora_rank", f"must be 0 (full fine-tuning) or positive, got {args.lora_rank}")
     if args.lora_alpha <= 0:
         fail("lora_alpha", f"must be positive (the adapter's output is scaled by lora_alpha / lora_rank), got {args.lora_alpha}")
-    if not 0 <= args.lora_dropout < 1:
-        fail("lora_dropout", f"must be in [0, 1), got {args.lora_dropout}")
+    if args.lora_dropout != 0:  # the learner's passes would drop inputs that sampling (HF or vLLM) never drops
+        fail("lora_dropout", f"must be 0, got {args.lora_dropout}: responses are sampled without dropout, so with it "
+                             "a policy's ratio to itself is not 1 (at one optimizer step a batch the clip would cut "
+                             "and the importance weights pick up dropout's noise)")
     if args.lora_rank == 0 or args.lora_target_modules == "all-linear":
         return
     from transformers import AutoModelForCausalLM

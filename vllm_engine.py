@@ -57,6 +57,17 @@ def check_vllm_gpu(args):
     if args.vllm_gpu is not None and not torch.cuda.is_available():
         fail("vllm_gpu", f"names GPU {args.vllm_gpu}, but torch finds no GPU here: vLLM would run on the CPU "
                          "(--vllm-cpu-cores) and the run train there")
+    if args.vllm_gpu is not None:
+        vllm_gpu(args)  # an index past the node's GPUs, or another training rank's GPU: now, not in vLLM's start
+
+
+def check_lora_precision(args):
+    """An adapter served by vLLM on a GPU needs --bf16: vLLM's LoRA kernels there (Triton) take bfloat16 or float16
+    only, the adapter takes the model's dtype, and vLLM runs those kernels with dummy adapters as it starts, so a
+    float32 run would fail there, after every model loaded (vLLM on a CPU applies adapters with torch ops, any dtype)."""
+    if torch.cuda.is_available() and not args.bf16:
+        fail("bf16", "vLLM serves a LoRA adapter on a GPU in bfloat16 or float16 only (its Triton LoRA kernels), and "
+                     "in the model's dtype: train (or evaluate) it with --bf16")
 
 
 # The adapter ranks vLLM serves (its LoRAConfig.max_lora_rank); an adapter of a rank in between is served by the next.
@@ -68,10 +79,11 @@ def served_lora_rank(rank):
 
 
 def check_vllm_lora(args):
-    """With --lora-rank, a rank vLLM serves, and the adapter goes to vLLM as files (a few MB): --weight-sync memory,
+    """With --lora-rank, --bf16 on a GPU, a rank vLLM serves, and the adapter goes to vLLM as files (a few MB): --weight-sync memory,
     vLLM's transfer of whole weights, does not apply."""
     if not args.lora_rank:
         return
+    check_lora_precision(args)
     if args.lora_rank > VLLM_LORA_RANKS[-1]:
         fail("lora_rank", f"vLLM serves adapters of rank up to {VLLM_LORA_RANKS[-1]} "
                           f"({', '.join(map(str, VLLM_LORA_RANKS))}), got {args.lora_rank}")
@@ -110,6 +122,8 @@ def vllm_gpu_placement(env, num_node_gpus, vllm_gpu=None):
     local_ranks = int(env.get("LOCAL_SIZE") or env.get("LOCAL_WORLD_SIZE") or 1)
     training, rest = entries[:local_ranks], entries[local_ranks:]
     if vllm_gpu is not None:
+        if vllm_gpu >= num_node_gpus:
+            fail("vllm_gpu", f"this node has {num_node_gpus} GPU(s), indices 0 to {num_node_gpus - 1}, got {vllm_gpu}")
         choice = str(vllm_gpu)
         if choice in training[1:]:
             fail("vllm_gpu", f"GPU {choice} is training rank {training.index(choice)}'s: vLLM may share rank 0's only")
@@ -216,6 +230,9 @@ def start_vllm(args, model_path, weight_transfer=False, largest_bytes=0, lora_ra
             share = own_gpu_share(args.vllm_gpu_memory_utilization, torch.cuda.mem_get_info(0)[1], hand_off)
             print(f"vLLM runs on GPU {gpu}, a GPU of its own (its engine's CUDA_VISIBLE_DEVICES)", flush=True)
         env = {"CUDA_VISIBLE_DEVICES": gpu}
+        if not args.bf16:  # Triton's float32 dots (vLLM's attention on compute capability 9) would run in TF32, which
+            # the learner's float32 does not: IEEE unless the user says otherwise
+            env["TRITON_F32_DEFAULT"] = os.environ.get("TRITON_F32_DEFAULT", "ieee")
         engine_args["gpu_memory_utilization"] = share
     else:
         cores = sorted(os.sched_getaffinity(0))[-args.vllm_cpu_cores:]

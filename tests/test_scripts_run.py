@@ -392,9 +392,9 @@ BAD_INPUT = [  # (script, arguments, the argument the error must name)
     ("bok_vllm.py", ["--deepspeed-config", "OVERLAP_MAYBE"], "--deepspeed-config"),
     ("online_dpo.py", ["--deepspeed-config", "OVERLAP_MAYBE"], "--deepspeed-config"),
     ("bok_vllm.py", ["--vllm-gpu", "0"], "--vllm-gpu"),
-    # LoRA: a dropout of 1 drops every input, a layer the policy lacks, a rank vLLM cannot serve, the whole-weight
+    # LoRA: any dropout (sampling has none), a layer the policy lacks, a rank vLLM cannot serve, the whole-weight
     # transfer with an adapter.
-    ("rloo.py", ["--lora-rank", "8", "--lora-dropout", "1"], "--lora-dropout"),
+    ("rloo.py", ["--lora-rank", "8", "--lora-dropout", "0.1"], "--lora-dropout"),
     ("rloo.py", ["--lora-rank", "8", "--lora-target-modules", "q_proj,v_proj"], "--lora-target-modules"),
     ("rloo_vllm.py", ["--lora-rank", "1024"], "--lora-rank"),
     ("rloo_vllm.py", ["--lora-rank", "8", "--weight-sync", "memory"], "--weight-sync"),
