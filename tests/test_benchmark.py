@@ -38,14 +38,16 @@ def test_weight_sync_benchmark_times_both_hand_offs_and_vllm_gets_the_learners_w
     assert file_gap < 1e-4 and memory_gap < 1e-4, row  # float32: vLLM's log-probabilities are the learner's
 
 
-def test_trl_runs_on_the_device_our_scripts_run_on(monkeypatch):
+@pytest.mark.parametrize("cuda, trl_arguments", [(True, {"use_cpu": False}), (False, {"use_cpu": True})],
+                         ids=["gpu", "cpu"])
+def test_trl_runs_on_the_device_our_scripts_run_on(monkeypatch, cuda, trl_arguments):
+    """Our scripts train on the GPU when there is one, else on the CPU: TRL's arguments must say the same."""
     monkeypatch.syspath_prepend(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmark"))
     import throughput
     import torch
 
-    for cuda in (True, False):
-        monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
-        assert throughput.trl_device() == {"use_cpu": not cuda}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    assert throughput.trl_device() == trl_arguments
 
 
 def test_tiny_async_reads_back_the_rows_it_writes_so_a_seed_can_be_added(tmp_path, monkeypatch):
