@@ -151,7 +151,10 @@ class AsyncGeneration:
         else:
             if self.thread is not None:  # vLLM's weights change between batches only, when the generator wants them
                 start = time.time()
-                self.thread.wait_for_receiver(update)
+                try:
+                    self.thread.wait_for_receiver(update)
+                except GenerationFailed as error:
+                    self.stop(str(error))
                 waited = time.time() - start
             try:
                 send_weights(self.transfer, update)
@@ -169,7 +172,10 @@ class AsyncGeneration:
     def checkpoint_files(self, update):
         """What a checkpoint at `update` keeps: the batches already generated for the next K updates (by policies
         older than its own), which a resumed run trains on as this one will, so that it resumes exactly."""
-        ahead = self.thread.peek(min(self.off_policy_steps, self.args.num_updates - update)) if self.rank == 0 else []
+        try:
+            ahead = self.thread.peek(min(self.off_policy_steps, self.args.num_updates - update)) if self.rank == 0 else []
+        except GenerationFailed as error:  # the generator failed while the learner trained: as get() would say
+            self.stop(str(error))
         return {GENERATED_BATCHES: [batch._asdict() for batch in ahead]}
 
     def stop(self, failure):
