@@ -90,7 +90,16 @@ def check_model_path(argument, path):
     if os.path.isfile(path):
         fail(argument, f"{path} is a file, not a directory")
     if not os.path.isdir(path) and not looks_like_hub_id:
-        fail(argument, f"no such directory: {path}")
+        fail(argument, f"no such directory: {path}{asset_hint(path)}")
+
+
+def asset_hint(path):
+    """How to build a missing directory under assets/<name>/ (the SmolLM2 model is built, not shipped:
+    assets/make_smollm2.py), or nothing."""
+    root = os.path.dirname(os.path.abspath(__file__))
+    parts = os.path.relpath(os.path.abspath(path), root).split(os.sep)
+    builder = os.path.join("assets", f"make_{parts[1]}.py") if len(parts) > 1 and parts[0] == "assets" else ""
+    return f" (build it with `python {builder}`)" if builder and os.path.isfile(os.path.join(root, builder)) else ""
 
 
 def check_dataset_path(args):
@@ -99,7 +108,7 @@ def check_dataset_path(args):
     if os.path.isfile(path):
         fail("dataset_name", f"{path} is a file, not a directory of data files")
     if not os.path.isdir(path) and path.count("/") != 1:
-        fail("dataset_name", f"no such directory: {path}")
+        fail("dataset_name", f"no such directory: {path}{asset_hint(path)}")
     if os.path.isdir(path) and not os.listdir(path):
         fail("dataset_name", f"{path} is an empty directory")
 

@@ -33,6 +33,8 @@ import sys
 import tempfile
 import time
 
+from smollm2_sync_mismatch import build_smollm2
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPTS = ["online_dpo_vllm", "rloo_vllm", "ppo_vllm", "bok_vllm", "grpo_vllm", "tba_vllm"]
 COLUMNS = ["loop seconds", "process seconds", "episodes/s", "learner idle", "off-policy steps", "start proxy",
@@ -107,6 +109,8 @@ def main():
     options, extra = parser.parse_known_args()
     columns = COLUMNS if options.task == "tiny" else MATH_COLUMNS
     extra = {"tiny": [], "math": MATH, "smollm2": SMOLLM2}[options.task] + extra
+    if options.task == "smollm2":
+        build_smollm2()
 
     speedups = {}
     with tempfile.TemporaryDirectory() as tmp:

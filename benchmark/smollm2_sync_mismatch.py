@@ -22,11 +22,17 @@ RUN = ["--sft-model-path", "assets/smollm2/model", "--dataset-name", "assets/smo
        "--learning-rate", "5e-5", "--no-bf16", "--vllm-enforce-eager", "--sync", "--check-weights-every", "1"]
 
 
+def build_smollm2():
+    """Build assets/smollm2's model (assets/make_smollm2.py, about a minute) if it is missing."""
+    if not os.path.isfile(os.path.join(ROOT, "assets", "smollm2", "model", "model.safetensors")):
+        print("building assets/smollm2/model (python assets/make_smollm2.py)", file=sys.stderr, flush=True)
+        subprocess.run([sys.executable, "assets/make_smollm2.py"], cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
+
+
 def start():
     """Build assets/smollm2 if it is missing; print the command, the machine and the date (every SmolLM2 benchmark's
     first line)."""
-    if not os.path.isfile(os.path.join(ROOT, "assets", "smollm2", "model", "model.safetensors")):
-        subprocess.run([sys.executable, "assets/make_smollm2.py"], cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
+    build_smollm2()
     cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
                platform.processor())
     print(f"# {' '.join(sys.argv)} on {cpu}, {os.cpu_count()} cores, {time.strftime('%Y-%m-%d')}")

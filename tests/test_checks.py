@@ -1,5 +1,6 @@
-"""Checks whose failure only a GPU would show, run here on their logic: LoRA in vLLM needs bfloat16 on a GPU, --vllm-gpu
-names a GPU of the node, a float32 engine computes Triton's dots in IEEE float32, and LoRA takes no dropout."""
+"""Argument checks, several of them of failures only a GPU would show, run here on their logic: LoRA in vLLM needs
+bfloat16 on a GPU, --vllm-gpu names a GPU of the node, a float32 engine computes Triton's dots in IEEE float32; LoRA
+takes no dropout; a missing asset directory names what builds it."""
 
 import importlib
 import os
@@ -87,3 +88,17 @@ def test_lora_takes_no_dropout_as_sampling_has_none(capsys, dropout, refused):
         assert error.startswith(f"error: --lora-dropout: must be 0, got {dropout}: responses are sampled without"), error
     else:
         checks.check_lora(args)
+
+
+@pytest.mark.parametrize("argument, path, hint", [
+    ("sft_model_path", "assets/smollm2/no-such-model", " (build it with `python assets/make_smollm2.py`)"),
+    ("sft_model_path", "assets/tiny_math/no-such-sft", " (build it with `python assets/make_tiny_math.py`)"),
+    ("sft_model_path", "no-such-dir/model/x", "")])
+def test_a_missing_asset_directory_names_what_builds_it(capsys, argument, path, hint):
+    """The SmolLM2 model is built by assets/make_smollm2.py, not shipped: a fresh clone's first SmolLM2 command says
+    so in its one line (it was transformers' 40-line HFValidationError)."""
+    error = one_line_error(capsys, lambda: checks.check_model_path(argument, path))
+    assert error == f"error: --sft-model-path: no such directory: {path}{hint}\n", error
+    args = types.SimpleNamespace(dataset_name=path.replace("sft", "data").replace("model", "data"))
+    error = one_line_error(capsys, lambda: checks.check_dataset_path(args))
+    assert error == f"error: --dataset-name: no such directory: {args.dataset_name}{hint}\n", error
