@@ -543,6 +543,13 @@ def test_ppos_value_model_accumulates_every_micro_batch_under_zero3(process_grou
         assert (weights[3]["base_model.model.score.modules_to_save.default.weight"] - reward_head).abs().max() > 1e-5
     else:
         assert weights[3].keys() == weights[2].keys()
+        # ZeRO-3 equal to ZeRO-2 is no proof that either trained: every weight, the body's as the score head's, took
+        # Adam's first step, lr g / (|g| + eps) at each element, so its largest change is at most the learning rate
+        # (1e-3) and near it (0.98e-3 to 1.0e-3 seen).
+        initial = dict(data.load_model(args, os.path.join(TINY, "reward"), reward=True).named_parameters())
+        moved = {name: (weights[3][name] - initial[name]).abs().max().item() for name in initial}
+        assert "score.weight" in moved and "gpt_neox.embed_in.weight" in moved, sorted(moved)
+        assert all(0.9e-3 < change < 1.001e-3 for change in moved.values()), moved
 
 def test_each_rank_takes_the_device_of_its_local_rank_under_every_launcher(process_group, monkeypatch):
     """deepspeed's launcher gives the local rank as --local_rank and in LOCAL_RANK, torchrun in LOCAL_RANK only: on
