@@ -328,10 +328,12 @@ def main(args):
         print(f"run {run_dir}: {args.num_updates} updates of {args.batch_size} responses "
               f"({args.batch_size // args.k} prompts x {args.k}); --loss-type {args.loss_type} with "
               + ", ".join(f"--{name.replace('_', '-')} {getattr(args, name)}" for name in in_force), flush=True)
-        if args.num_mini_batches == args.num_ppo_epochs == 1:
+        if args.num_mini_batches == args.num_ppo_epochs == 1:  # the steps a batch of the loss type's paper: grpo.md
+            steps = {"grpo": "one step", "dr_grpo": "8 steps", "dapo": "16 steps", "gspo": "4 steps"}.get(
+                args.loss_type, "several steps")
             print(f"one optimizer step per batch: the ratio to the policy before the update is exactly 1, so --loss-type "
-                  f"{args.loss_type}'s clip has no effect (its paper took several steps a batch: --num-mini-batches)",
-                  flush=True)
+                  f"{args.loss_type}'s clip has no effect (its paper took {steps} a batch"
+                  f"{'' if args.loss_type == 'grpo' else ': --num-mini-batches'})", flush=True)
 
     pad = tokenizer.pad_token_id
     if not args.resume:  # the curves start from the SFT policy
