@@ -1,16 +1,35 @@
-"""The maths of tba.py against values computed by hand: the trajectory-balance loss and its gradient, beta's
-annealing, and the replay buffer (what it keeps, how it draws a training batch, its checkpoint)."""
+"""The maths of TBA against values computed by hand: the trajectory-balance loss and its gradient, beta's annealing,
+and the replay buffer (what it keeps, how it draws a training batch, its checkpoint). Each test runs on every copy of
+its function among the shipped scripts (tba.py and tba_vllm.py both carry them), so a copy that drifts fails; a
+researcher's own copy is free to differ."""
 
+import importlib
 import io
 import types
 
 import pytest
 import torch
+from conftest import SHIPPED, definitions
 
-import tba
+
+def carriers(name):
+    """The shipped scripts that define `name`, found by their code (tba.py and tba_vllm.py)."""
+    found = [script.removesuffix(".py") for script in SHIPPED if name in definitions(script)]
+    assert len(found) >= 1, name
+    return found
 
 
-def test_the_loss_is_the_variance_of_each_groups_balance_residual_around_its_log_z():
+@pytest.fixture
+def tba(request):
+    return importlib.import_module(request.param)
+
+
+def test_both_tba_scripts_carry_what_these_tests_test():
+    assert all(carriers(name) == ["tba", "tba_vllm"] for name in ("tba_loss", "annealed_beta", "ReplayBuffer"))
+
+
+@pytest.mark.parametrize("tba", carriers("tba_loss"), indirect=True)
+def test_the_loss_is_the_variance_of_each_groups_balance_residual_around_its_log_z(tba):
     # Two prompts x k = 2 responses, summed log-probabilities: d = logprobs - ref = [0.5, -1 | -1, 1]; score / beta
     # with beta 0.5 = [2, 0 | 4, 4]; log Z = mean(score / beta - d) = 1.25 and 4; residuals log Z + d - score / beta
     # = [-0.25, 0.25 | -1, 1]; the loss is their mean square, 0.53125.
@@ -22,7 +41,8 @@ def test_the_loss_is_the_variance_of_each_groups_balance_residual_around_its_log
     assert logprobs.grad.tolist() == pytest.approx([-0.125, 0.125, -0.5, 0.5])
 
 
-def test_a_group_in_balance_has_no_loss_whatever_its_log_z():
+@pytest.mark.parametrize("tba", carriers("tba_loss"), indirect=True)
+def test_a_group_in_balance_has_no_loss_whatever_its_log_z(tba):
     # d_j = score_j / beta + c for every j of a group: the residuals vanish (log Z = -c), for any behaviour policy.
     scores, ref = torch.tensor([0.3, -1.2, 2.0]), torch.tensor([-4.0, -2.5, -7.0])
     logprobs = ref + scores / 0.1 - 3.0
@@ -30,7 +50,8 @@ def test_a_group_in_balance_has_no_loss_whatever_its_log_z():
     assert loss.item() == pytest.approx(0.0, abs=1e-9) and log_z.item() == pytest.approx(3.0)
 
 
-def test_beta_falls_linearly_to_its_final_value_then_stays_and_can_be_cut_short():
+@pytest.mark.parametrize("tba", carriers("annealed_beta"), indirect=True)
+def test_beta_falls_linearly_to_its_final_value_then_stays_and_can_be_cut_short(tba):
     args = types.SimpleNamespace(beta=1.0, beta_final=0.05, beta_anneal_updates=32, beta_cut_update=0)
     assert [tba.annealed_beta(args, u) for u in (1, 17, 33, 100)] == pytest.approx([1.0, 0.525, 0.05, 0.05])
     assert tba.annealed_beta(types.SimpleNamespace(beta=0.3, beta_final=None, beta_anneal_updates=0,
@@ -42,7 +63,8 @@ def test_beta_falls_linearly_to_its_final_value_then_stays_and_can_be_cut_short(
     assert sum(tba.annealed_beta(tldr, u) for u in range(1, 32)) / 31 == pytest.approx(0.889, abs=1e-3)
 
 
-def test_the_buffer_keeps_each_prompts_newest_unique_responses_and_the_newest_batch_with_its_repeats():
+@pytest.mark.parametrize("tba", carriers("ReplayBuffer"), indirect=True)
+def test_the_buffer_keeps_each_prompts_newest_unique_responses_and_the_newest_batch_with_its_repeats(tba):
     buffer = tba.ReplayBuffer(3)
     buffer.add([7], [[[1], [2]]], [[0.1, 0.2]], [[-1.0, -2.0]], 0)
     buffer.add([7], [[[2], [3]]], [[0.3, 0.4]], [[-3.0, -4.0]], 1)  # [2] again: it moves to the newest place
@@ -53,7 +75,7 @@ def test_the_buffer_keeps_each_prompts_newest_unique_responses_and_the_newest_ba
     assert sorted(buffer.responses) == [7, 9]
 
 
-def filled_buffer():
+def filled_buffer(tba):
     """Prompts 0-4 seen in an older batch (scores 0 and 1 for two responses each), prompts 5 and 6 the newest."""
     buffer = tba.ReplayBuffer(100)
     buffer.add(list(range(5)), [[[p, 0], [p, 1]] for p in range(5)], [[0.0, 1.0]] * 5, [[-1.0, -1.0]] * 5, 0)
@@ -61,9 +83,10 @@ def filled_buffer():
     return buffer
 
 
-def test_a_training_batch_draws_each_group_by_prompt_new_or_from_the_buffer():
+@pytest.mark.parametrize("tba", carriers("ReplayBuffer"), indirect=True)
+def test_a_training_batch_draws_each_group_by_prompt_new_or_from_the_buffer(tba):
     torch.manual_seed(0)
-    buffer = filled_buffer()
+    buffer = filled_buffer(tba)
     groups = buffer.sample(2, 2, recent_prob=1.0, inv_temp=1.0)  # on-policy: the newest batch, each prompt once
     assert sorted(prompt for prompt, _, _ in groups) == [5, 6]
     assert all(not from_buffer and [e[0][0] for e in entries] == [prompt] * 2 for prompt, entries, from_buffer in groups)
@@ -74,9 +97,10 @@ def test_a_training_batch_draws_each_group_by_prompt_new_or_from_the_buffer():
     assert all(sorted(e[0] for e in entries) == [(p, 0), (p, 1)] for p, entries, _ in groups)
 
 
-def test_buffered_responses_are_drawn_in_proportion_to_exp_of_inv_temp_times_their_score():
+@pytest.mark.parametrize("tba", carriers("ReplayBuffer"), indirect=True)
+def test_buffered_responses_are_drawn_in_proportion_to_exp_of_inv_temp_times_their_score(tba):
     torch.manual_seed(0)
-    buffer = filled_buffer()
+    buffer = filled_buffer(tba)
     # Prompts 0-4 hold scores 0 and 1: p(score 1) = e^2 / (1 + e^2) = 0.881 at inv_temp 2.
     draws = [entries[0][1] for p, entries, _ in buffer.sample(20000, 1, recent_prob=0.0, inv_temp=2.0) if p < 5]
     assert sum(draws) / len(draws) == pytest.approx(0.881, abs=0.01)
@@ -84,8 +108,9 @@ def test_buffered_responses_are_drawn_in_proportion_to_exp_of_inv_temp_times_the
     assert sum(draws) / len(draws) == pytest.approx(0.5, abs=0.015)  # inv_temp 0: uniformly
 
 
-def test_the_buffer_round_trips_through_a_checkpoint_loaded_with_weights_only():
-    buffer, restored = filled_buffer(), tba.ReplayBuffer(100)
+@pytest.mark.parametrize("tba", carriers("ReplayBuffer"), indirect=True)
+def test_the_buffer_round_trips_through_a_checkpoint_loaded_with_weights_only(tba):
+    buffer, restored = filled_buffer(tba), tba.ReplayBuffer(100)
     saved = io.BytesIO()
     torch.save(buffer.state_dict(), saved)
     saved.seek(0)
