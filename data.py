@@ -1,6 +1,8 @@
 """Loading what a run reads: the dataset's prompts (and answers), the tokenizer and its stop token, the models; the
 batches of prompt indices and their padding. Every way a dataset or model can be wrong is bad input (checks.fail).
-Nothing here changes what is learned."""
+What here changes what is learned: a prompt longer than --max-prompt-length keeps its last tokens; a chat whose last
+turn is the assistant's (a reference reply) is prompted without it; every model runs with dropout off (as sampling
+does); under LoRA, PPO's value model trains its score head whole beside its adapter."""
 
 import os
 

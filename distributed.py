@@ -1,5 +1,6 @@
 """The process group, each rank's device, DeepSpeed's configuration and ZeRO-3's gathering of parameters (for
-generation and for saving); the averaging of metrics over ranks. Nothing here changes what is learned."""
+generation and for saving); the averaging of metrics over ranks. What here changes what is learned: under LoRA the
+reference is the policy with its adapter switched off (reference_model)."""
 
 import contextlib
 import json

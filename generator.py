@@ -2,7 +2,8 @@
 that generates each batch with the policy version the script's schedule names, while the learner trains; after each
 update the weights handed to vLLM (weight_handoff.py) and, when --check-weights-every says, checked there; the batches
 generated but not yet trained on kept in checkpoints, so a resumed run is exact. Nothing here changes what is learned:
-the script passes its schedule (generating_version: the paper's K) and its sampling request (vllm_generate)."""
+the script passes its schedule (generating_version: the paper's K), its sampling request (vllm_generate) and its
+choice of each batch's prompts (batch_prompts)."""
 
 import atexit
 import collections
@@ -24,7 +25,7 @@ from tqdm import tqdm
 from transformers import AutoTokenizer
 
 from checkpoints import latest_checkpoint, resume_hint
-from data import prompt_batch
+from data import load_tokenizer, stop_token_id
 from vllm_engine import (add_adapter, engine_dead, engine_exit, in_memory_backend, load_into_vllm, pin_vllm_to_its_cores,
                          shut_down, start_vllm, swap_adapter, vllm_gpu, wait_for)
 from weight_handoff import (VllmClient, WeightsDiffer, check_vllm_weights, digests_to_check, expected_weights, is_lora,
@@ -37,16 +38,21 @@ class AsyncGeneration:
     keeps of it, close() ends it (also at exit, on every way out).
 
     On rank 0, vLLM starts from the learner's weights (version start_update: the SFT policy or the resumed one), then a
-    GenerationThread generates batch t with version schedule(t, start_update, off_policy_steps). Later versions go in
+    GenerationThread generates batch t for the prompts the script chooses (choose_prompts(args, len(train_prompts),
+    prompts_per_rank, t): each rank's indices, which the batch carries to the script's step 1) with version
+    schedule(t, start_update, off_policy_steps), K = --off-policy-steps (0 with --sync). Later versions go in
     memory (--weight-sync memory) or through save_pretrained directories, in /dev/shm if it has room for the K + 1
     versions that can be in flight at once, else in the run directory, each deleted once loaded; rank 0's process id
     keeps two runs of one name (a sweep) apart. With LoRA (a peft policy) vLLM starts from the base model and each
     version is only the adapter's directory, which vLLM adds as an adapter of its own while it drops the one before
     (vllm_engine.swap_adapter); the base weights are never reloaded. `sample` is the script's sampling request
-    (vllm_generate); `probe`, token lists whose log-probabilities the weight check compares."""
+    (vllm_generate). The weight check compares the log-probabilities of the first train prompts (the probe)."""
 
-    def __init__(self, args, policy, run_dir, tokenizer, stop_id, train_prompts, probe, k, start_update,
-                 off_policy_steps, schedule, sample, prefill=0):
+    def __init__(self, args, policy, run_dir, start_update, train_prompts, schedule, sample, choose_prompts, prefill=0):
+        tokenizer = load_tokenizer(args.sft_model_path, args.trust_remote_code)
+        stop_id, k = stop_token_id(args, tokenizer), getattr(args, "k", 1)  # (PPO samples one response a prompt)
+        off_policy_steps = 0 if args.sync else args.off_policy_steps
+        probe = train_prompts[:4]
         self.args, self.probe, self.pad_id = args, probe, tokenizer.pad_token_id
         self.first_version, self.off_policy_steps, self.schedule = start_update, off_policy_steps, schedule
         # `prefill` batches come before update 1's (tba_vllm.py's --buffer-prefill): a run that starts takes them as
@@ -91,7 +97,7 @@ class AsyncGeneration:
             print(f"the policy goes to vLLM after each update {'in memory' if self.in_memory else 'as files'}: "
                   f"{'its LoRA adapter, ' if lora else ''}{version_bytes / 2**20:.1f} MiB", flush=True)
             resumed = load_generated_batches(latest_checkpoint(args.resume)) if args.resume else []
-            self.thread = GenerationThread(args, llm, sample, schedule, weights_dir=self.weights_dir,
+            self.thread = GenerationThread(args, llm, sample, schedule, choose_prompts, weights_dir=self.weights_dir,
                                            train_prompts=train_prompts, prompts_per_rank=args.local_batch_size // k,
                                            k=k, stop_id=stop_id, first_version=start_update,
                                            off_policy_steps=off_policy_steps, probe=probe, in_memory=self.in_memory,
@@ -195,12 +201,15 @@ class GenerationFailed(RuntimeError):
 
 
 class GeneratedBatch(NamedTuple):
-    """One update's batch: the policy version that generated it, each rank's responses (sample j of prompt i at
-    j * prompts_per_rank + i) and their tokens' log-probabilities under that version (the behaviour policy), and
-    the seconds spent generating it and loading its version into vLLM."""
+    """One update's batch: the policy version that generated it, each rank's prompts (indices into the train prompts,
+    as the script chose them), responses (sample j of prompt i at j * prompts_per_rank + i) and their tokens'
+    log-probabilities under that version (the behaviour policy), the seed of its first request (request n has seed +
+    n), and the seconds spent generating it and loading its version into vLLM."""
     version: int
+    prompts: list
     responses: list
     logprobs: list
+    seed: int
     generation_time: float
     load_time: float
 
@@ -214,7 +223,11 @@ def load_generated_batches(checkpoint):
     if dist.get_rank() != 0 or not os.path.exists(path):
         return []
     with open(path) as f:
-        return [GeneratedBatch(**batch) for batch in json.load(f)]
+        batches = json.load(f)
+    if any(set(batch) != set(GeneratedBatch._fields) for batch in batches):
+        sys.exit(f"error: {path} holds batches in an older format (without their prompts): resume it with the "
+                 "code that wrote it")
+    return [GeneratedBatch(**batch) for batch in batches]
 
 
 class GenerationThread:
@@ -224,11 +237,13 @@ class GenerationThread:
     generator waits, see wait_for_receiver()) and takes the batches, in order, with get(). Every wait is bounded by
     --generation-timeout; a generator error or vLLM's engine dying is raised in the learner."""
 
-    def __init__(self, args, llm, vllm_generate, schedule, *, weights_dir, train_prompts, prompts_per_rank, k, stop_id,
-                 first_version, off_policy_steps, probe, in_memory, adapter=None, resumed_batches=(), prefill=0):
+    def __init__(self, args, llm, vllm_generate, schedule, choose_prompts, *, weights_dir, train_prompts,
+                 prompts_per_rank, k, stop_id, first_version, off_policy_steps, probe, in_memory, adapter=None,
+                 resumed_batches=(), prefill=0):
         self.args, self.llm, self.weights_dir, self.stop_id, self.probe = args, llm, weights_dir, stop_id, probe
         self.adapter = adapter  # with LoRA: the LoRARequest of the version vLLM generates with
-        self.vllm_generate, self.schedule = vllm_generate, schedule  # the script's sampling request and schedule
+        # the script's sampling request, schedule and choice of prompts
+        self.vllm_generate, self.schedule, self.choose_prompts = vllm_generate, schedule, choose_prompts
         self.in_memory = in_memory
         self.train_prompts, self.prompts_per_rank, self.k = train_prompts, prompts_per_rank, k
         self.first_version, self.off_policy_steps = first_version, off_policy_steps
@@ -320,10 +335,12 @@ class GenerationThread:
                     if expected is not None:
                         check_vllm_weights(self.llm, loaded, self.probe, expected, args.bf16, self.adapter)
                 t1 = time.time()
-                # Every rank's prompts, rank after rank, as the synchronous scripts choose them.
-                prompts = [self.train_prompts[i] for r in range(world_size) for i in
-                           prompt_batch(len(self.train_prompts), self.prompts_per_rank, self.prefill + update - 1,
-                                        args.seed, r, world_size)]
+                # Every rank's prompts, rank after rank, as the script chooses them.
+                chosen = self.choose_prompts(args, len(self.train_prompts), self.prompts_per_rank, self.prefill + update)
+                if len(chosen) != world_size or any(len(indices) != self.prompts_per_rank for indices in chosen):
+                    raise ValueError(f"choose_prompts gave {[len(indices) for indices in chosen]} prompts to the "
+                                     f"{world_size} rank(s), not {self.prompts_per_rank} each")
+                prompts = [self.train_prompts[i] for indices in chosen for i in indices]
                 # Request i gets this seed + i: seeds never repeat across batches (vllm_generate() says why).
                 seed = args.seed * 2**32 + (self.prefill + update) * args.batch_size
                 responses, logprobs = self.vllm_generate(self.llm, prompts, self.k, args.response_length, self.stop_id,
@@ -332,8 +349,9 @@ class GenerationThread:
                 # r * prompts_per_rank + i: regroup per rank, sample-major like the synchronous scripts' batches.
                 order = [[j * len(prompts) + r * self.prompts_per_rank + i for j in range(self.k)
                           for i in range(self.prompts_per_rank)] for r in range(world_size)]
-                self.batches.put(GeneratedBatch(loaded, [[responses[n] for n in rank] for rank in order],
-                                                [[logprobs[n] for n in rank] for rank in order],
+                self.batches.put(GeneratedBatch(loaded, [list(indices) for indices in chosen],
+                                                [[responses[n] for n in rank] for rank in order],
+                                                [[logprobs[n] for n in rank] for rank in order], seed,
                                                 time.time() - t1, t1 - t0))
         except BaseException as error:  # handed to the learner, which raises it
             self.error = error

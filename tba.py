@@ -159,8 +159,8 @@ class Args:
 
 
 # ===========================================================================================================
-# The algorithm: the only functions that differ between the algorithm scripts. To try a new loss,
-# change these and steps 3-4 of the loop in main(), which follows them.
+# The algorithm: its own functions (some, such as the importance weights, shared with scripts of its family). To
+# try a new loss, change these and steps 3-4 of the loop in main(), which follows them.
 # ===========================================================================================================
 
 def tba_loss(logprobs, ref_logprobs, scores, beta, k):

@@ -1,7 +1,9 @@
 """The vLLM engine of the *_vllm.py scripts and evaluate.py: the checks of the arguments that concern it (the vLLM
 release, --vllm-gpu, --weight-sync), where it runs (which GPU, or which CPU cores), how much memory it takes, how its
-weights are replaced from a save_pretrained directory, bounded waits on it, and its shutdown. Nothing here changes what
-is learned; the sampling request itself is the script's (vllm_generate)."""
+weights are replaced from a save_pretrained directory, bounded waits on it, and its shutdown. What here changes what
+is learned: the log-probabilities vLLM returns with each sample (the behaviour policy's, in every *_vllm.py) are those
+of the distribution it sampled from, after the temperature (logprobs_mode); the sampling request itself is the
+script's (vllm_generate)."""
 
 import contextlib
 import copy

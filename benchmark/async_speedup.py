@@ -33,8 +33,6 @@ import sys
 import tempfile
 import time
 
-from smollm2_sync_mismatch import build_smollm2
-
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPTS = ["online_dpo_vllm", "rloo_vllm", "ppo_vllm", "bok_vllm", "grpo_vllm", "tba_vllm"]
 COLUMNS = ["loop seconds", "process seconds", "episodes/s", "learner idle", "off-policy steps", "start proxy",
@@ -110,6 +108,7 @@ def main():
     columns = COLUMNS if options.task == "tiny" else MATH_COLUMNS
     extra = {"tiny": [], "math": MATH, "smollm2": SMOLLM2}[options.task] + extra
     if options.task == "smollm2":
+        from smollm2_sync_mismatch import build_smollm2  # (this script's folder)
         build_smollm2()
 
     speedups = {}

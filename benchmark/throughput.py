@@ -33,7 +33,6 @@ import tempfile
 import time
 
 import torch
-from smollm2_sync_mismatch import build_smollm2
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROMPTS, COMPLETIONS, NEW_TOKENS, TEMPERATURE = 16, 2, 32, 0.7
@@ -295,6 +294,7 @@ def main():
     smollm2 = options.task == "smollm2"
     if smollm2:
         options.scripts = ["rloo.py"]
+        from smollm2_sync_mismatch import build_smollm2  # (this script's folder)
         build_smollm2()
 
     systems = list(options.scripts) + ([] if options.no_trl else ["trl RLOOTrainer"] + ([] if smollm2 else
