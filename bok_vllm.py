@@ -33,13 +33,13 @@ import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
 from transformers import StaticCache
 
-from checks import check_bounds, check_gpu_driver, check_lora, check_run, fail, parse_arguments
+from checks import check_bounds, check_gpu_driver, check_lora, check_run, fail, parse_arguments, check_batch_sizes
 from data import left_pad, load_data, load_model, prompt_batch, right_pad, with_lora
 from distributed import adam_class, ds_config, frozen_engine, mean_over_ranks, reference_model, set_up_distributed
 from checkpoints import check_resume, latest_checkpoint, load_checkpoint, save_checkpoint, stop_if_diverged
 from runlog import RunLog, run_directory
 from held_out import evaluate
-from vllm_engine import check_vllm_lora, check_weight_sync
+from vllm_engine import check_vllm_arguments
 from generator import AsyncGeneration
 
 
@@ -388,20 +388,8 @@ def validate(args):
     if args.per_device_train_batch_size % args.k:
         fail("k", f"must divide --per-device-train-batch-size ({args.per_device_train_batch_size}): "
                   "a micro-batch holds whole prompts")
-    if args.off_policy_steps < 1:
-        fail("off_policy_steps", f"must be at least 1 (use --sync for on-policy), got {args.off_policy_steps}")
-    check_vllm_lora(args)
-    check_weight_sync(args)
-    if args.vllm_gpu_memory_utilization is not None and not 0 < args.vllm_gpu_memory_utilization <= 1:
-        fail("vllm_gpu_memory_utilization", f"must be in (0, 1], got {args.vllm_gpu_memory_utilization}")
-    if not torch.cuda.is_available() and not 1 <= args.vllm_cpu_cores < len(os.sched_getaffinity(0)):
-        fail("vllm_cpu_cores", f"must leave the learner at least one of this machine's "
-                               f"{len(os.sched_getaffinity(0))} cores, got {args.vllm_cpu_cores}")
-    args.local_batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps * args.num_mini_batches
-    args.batch_size = args.local_batch_size * args.world_size
-    args.num_updates = args.total_episodes // args.batch_size
-    if args.num_updates < 1:
-        fail("total_episodes", f"must be at least one batch of {args.batch_size} responses")
+    check_vllm_arguments(args)
+    check_batch_sizes(args)
     check_run(args, RULE_REWARDS)
     check_lora(args)
     check_resume(args)

@@ -84,14 +84,23 @@ def resume_hint(run_dir):
     return f"resume with --resume {os.path.join(run_dir, f'checkpoint-{max(updates)}')}"
 
 
+def partition_elements(numel, partition_size, rank):
+    """How many of a ZeRO-3 partition's elements are its parameter's (of `numel`): the last ranks' partitions end in
+    padding that DeepSpeed allocates and never writes (torch.empty), which may read as NaN."""
+    return max(0, min(partition_size, numel - partition_size * rank))
+
+
 @torch.no_grad()
 def stop_if_diverged(engines, probe, update, run_dir, learning_rate):
     """Stop the run in one line (exit code 1) when an update has left a trained model ({name: engine}; the policy
     first) with weights that are not finite, or the policy with non-finite logits on `probe` (a prompt's tokens: huge
     but finite weights overflow there), before it is sampled from, handed to vLLM or saved: no checkpoint holds such
-    weights. Every rank calls this (under ZeRO-3 each checks its share, and the probe's forward gathers)."""
+    weights. Every rank calls this (under ZeRO-3 each checks its share, not its padding, and the probe's forward
+    gathers)."""
     for name, engine in engines.items():
-        local = [getattr(p, "ds_tensor", p) for p in engine.module.parameters()]
+        local = [p.ds_tensor.narrow(0, 0, partition_elements(p.ds_numel, p.ds_tensor.numel(),
+                                                             dist.get_rank(p.ds_process_group)))
+                 if hasattr(p, "ds_tensor") else p for p in engine.module.parameters()]
         finite = torch.stack([n.float() for n in torch._foreach_norm(local)]).isfinite().all()
         if name == "policy":
             logits = engine(input_ids=torch.tensor([probe], device=engine.device), use_cache=False).logits

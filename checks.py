@@ -192,6 +192,16 @@ def check_bounds(args, positive=(), at_least_0=(), lower_clips=()):
                        f"{1 - getattr(args, name):g}, got {getattr(args, name)}")
 
 
+def check_batch_sizes(args):
+    """The sizes a run derives from its arguments, set in `args`: responses a rank trains on per update (per-device
+    batch x accumulation x mini-batches), of every rank, and the updates --total-episodes makes (at least one)."""
+    args.local_batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps * args.num_mini_batches
+    args.batch_size = args.local_batch_size * args.world_size
+    args.num_updates = args.total_episodes // args.batch_size
+    if args.num_updates < 1:
+        fail("total_episodes", f"must be at least one batch of {args.batch_size} responses")
+
+
 def check_lora(args):
     """--lora-rank 0 (full fine-tuning) or a LoRA adapter: a positive alpha, no dropout, target modules the
     policy has (its module names read from an empty, meta-device copy: nothing loads)."""

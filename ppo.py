@@ -33,7 +33,7 @@ import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
 from transformers import StaticCache
 
-from checks import check_bounds, check_gpu_driver, check_lora, check_run, fail, parse_arguments
+from checks import check_bounds, check_gpu_driver, check_lora, check_run, fail, parse_arguments, check_batch_sizes
 from data import left_pad, load_data, load_model, prompt_batch, with_lora
 from distributed import (adam_class, ds_config, frozen_engine, mean_over_ranks, reference_model, set_up_distributed,
                          unwrapped_for_generation)
@@ -414,11 +414,7 @@ def validate(args):
     for name in ("gamma", "lam"):
         if not 0 <= getattr(args, name) <= 1:
             fail(name, f"must be between 0 and 1, got {getattr(args, name)}")
-    args.local_batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps * args.num_mini_batches
-    args.batch_size = args.local_batch_size * args.world_size
-    args.num_updates = args.total_episodes // args.batch_size
-    if args.num_updates < 1:
-        fail("total_episodes", f"must be at least one batch of {args.batch_size} responses")
+    check_batch_sizes(args)
     check_run(args, RULE_REWARDS)
     check_lora(args)
     check_resume(args)

@@ -110,6 +110,20 @@ def check_weight_sync(args):
         fail("weight_sync", "memory needs a GPU (vLLM's NCCL or CUDA IPC weight transfer); use file on a CPU")
 
 
+def check_vllm_arguments(args):
+    """The arguments every *_vllm.py shares: K at least 1, then LoRA's (check_vllm_lora), the vLLM release, --vllm-gpu
+    and --weight-sync (check_weight_sync), vLLM's memory share, and on a CPU its cores (the learner keeps one)."""
+    if args.off_policy_steps < 1:
+        fail("off_policy_steps", f"must be at least 1 (use --sync for on-policy), got {args.off_policy_steps}")
+    check_vllm_lora(args)
+    check_weight_sync(args)
+    if args.vllm_gpu_memory_utilization is not None and not 0 < args.vllm_gpu_memory_utilization <= 1:
+        fail("vllm_gpu_memory_utilization", f"must be in (0, 1], got {args.vllm_gpu_memory_utilization}")
+    if not torch.cuda.is_available() and not 1 <= args.vllm_cpu_cores < len(os.sched_getaffinity(0)):
+        fail("vllm_cpu_cores", f"must leave the learner at least one of this machine's "
+                               f"{len(os.sched_getaffinity(0))} cores, got {args.vllm_cpu_cores}")
+
+
 def vllm_gpu_placement(env, num_node_gpus, vllm_gpu=None):
     """vLLM's GPU: (its engine's CUDA_VISIBLE_DEVICES entry, the CUDA index on rank 0 of the training GPU it shares or
     None when it has its own), a pure function of the launcher's environment. Training ranks use the first entries of

@@ -198,7 +198,7 @@ def test_every_top_level_python_file_is_a_script_or_a_module(tmp_path):
     """A file that runs as a program but lost a script's shape (an Args dataclass and main(args)) is named here rather
     than skipped by every test that finds scripts by their shape; a researcher's helper module is welcome."""
     helper, broken = tmp_path / "my_reward.py", tmp_path / "my_rloo.py"
-    helper.write_text('"""A researcher's rule reward."""\n\n\ndef length_reward(response, answer):\n    return -len(response)\n')
+    helper.write_text('"""A rule reward of a researcher."""\n\n\ndef length_reward(response, answer):\n    return -len(response)\n')
     broken.write_text(open(os.path.join(ROOT, "rloo.py")).read().replace("def main(args):", "def main(args, extra=None):"))
     assert lost_shapes([*TOP_LEVEL, str(helper)]) == []
     assert lost_shapes([str(broken)]) == [str(broken)]

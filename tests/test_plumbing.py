@@ -249,6 +249,25 @@ def test_a_checkpoint_from_another_kind_of_device_resumes_without_its_generator_
     assert torch.equal(torch.get_rng_state(), saved)
 
 
+def test_the_divergence_check_reads_a_zero3_partition_but_not_its_padding(tmp_path, process_group, monkeypatch):
+    """Under ZeRO-3 each rank holds a partition of every parameter (ds_tensor); the last ranks' end in padding that
+    DeepSpeed allocates and never writes (torch.empty), which may read as NaN: the check reads the parameter's elements
+    only, so garbage in the padding passes and a NaN in the parameter stops the run."""
+    process_group("gloo")
+    assert [checkpoints.partition_elements(10, 4, rank) for rank in range(4)] == [4, 4, 2, 0]
+    layer = torch.nn.Linear(3, 3, bias=False)  # 9 elements, a partition of 4 on rank 2 of 3: 1 element and 3 of padding
+    weight = layer.weight
+    weight.ds_numel, weight.ds_process_group = 9, None
+    weight.ds_tensor = torch.tensor([0.5, float("nan"), float("inf"), float("nan")])
+    engine = types.SimpleNamespace(module=layer)
+    monkeypatch.setattr(checkpoints.dist, "get_rank", lambda group=None: 2)
+    checkpoints.stop_if_diverged({"value": engine}, [1], 3, str(tmp_path), 1e-5)  # garbage in the padding: goes on
+    weight.ds_tensor[0] = float("nan")
+    with pytest.raises(SystemExit) as exit:
+        checkpoints.stop_if_diverged({"value": engine}, [1], 3, str(tmp_path), 1e-5)
+    assert exit.value.code == 1
+
+
 def test_every_rank_resumes_from_rank_0s_latest_checkpoint(tmp_path):
     """Nodes sharing a run directory may list it differently for a while (NFS caches listings): a rank whose listing
     still names an older checkpoint must load rank 0's, or the ranks would resume at different updates."""
