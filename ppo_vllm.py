@@ -261,7 +261,7 @@ def importance_weights(proximal_logprobs, behaviour_logprobs, mask, cap, level, 
         weights = ratio.clamp(max=cap)
     else:
         weights = torch.where(ratio > cap, torch.zeros_like(ratio), ratio)
-    w = (weights if cap > 0 else torch.exp(log_ratio.clamp(-30, 30)))[valid]
+    w = (weights if cap > 0 else torch.exp(log_ratio.clamp(-20, 20)))[valid]
     stats = {"async/is_ess": (w.sum() ** 2 / (w.numel() * (w ** 2).sum()).clamp(min=1e-30)).item(),
              "async/is_mean": w.mean().item(),
              "async/is_truncated": (ratio[valid] > cap).float().mean().item() if cap > 0 else 0.0}
