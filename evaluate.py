@@ -46,7 +46,7 @@ from checks import (check_dataset_path, check_gpu_driver, check_model, check_mod
                     parse_arguments)
 from data import (check_answers, check_chats, check_texts, left_pad, load_model, load_tokenizer, read_dataset,
                   right_pad, stop_token_id)
-from vllm_engine import check_vllm_gpu, load_into_vllm, shut_down, start_vllm
+from vllm_engine import check_vllm_gpu, load_into_vllm, parameter_bytes, shut_down, start_vllm
 from weight_handoff import untied_for_vllm, write_for_vllm
 
 
@@ -333,9 +333,8 @@ def main(args):
                     write_for_vllm(policy, policy.state_dict(), path)
                     AutoTokenizer.from_pretrained(args.sft_model_path,  # a checkpoint's own is the SFT model's
                                                   trust_remote_code=args.trust_remote_code).save_pretrained(path)
-                if llm is None:  # with room for the layer-wise reload of the next checkpoints (their largest tensor)
-                    largest = max(p.numel() * p.element_size() for p in policy.parameters())
-                    llm = start_vllm(args, path, largest_bytes=largest)
+                if llm is None:  # with room for the layer-wise reload of the next checkpoints
+                    llm = start_vllm(args, path, sizes=parameter_bytes(policy))
                 else:
                     load_into_vllm(llm, path)
             metrics, samples = evaluate_checkpoint(args, {**models, "policy": policy}, llm, prompts, reference,

@@ -26,8 +26,8 @@ from transformers import AutoTokenizer
 
 from checkpoints import latest_checkpoint, resume_hint
 from data import load_tokenizer, stop_token_id
-from vllm_engine import (add_adapter, engine_dead, engine_exit, in_memory_backend, load_into_vllm, pin_vllm_to_its_cores,
-                         shut_down, start_vllm, swap_adapter, vllm_gpu, wait_for)
+from vllm_engine import (add_adapter, engine_dead, engine_exit, in_memory_backend, load_into_vllm, parameter_bytes,
+                         pin_vllm_to_its_cores, shut_down, start_vllm, swap_adapter, vllm_gpu, wait_for)
 from weight_handoff import (VllmClient, WeightsDiffer, check_vllm_weights, digests_to_check, expected_weights, is_lora,
                             save_for_vllm, send_weights, vllm_digests, weight_transfer, weights_root)
 
@@ -83,12 +83,11 @@ class AsyncGeneration:
         save_for_vllm(policy, first)
         llm = adapter = None
         if self.rank == 0:
-            largest = max(getattr(p, "ds_numel", p.numel()) * p.element_size() for p in policy.module.parameters())
             if not lora:
                 AutoTokenizer.from_pretrained(args.sft_model_path, trust_remote_code=args.trust_remote_code).save_pretrained(first)
             try:  # with LoRA from the base model, and version start_update's adapter
-                llm = start_vllm(args, args.sft_model_path if lora else first, self.in_memory, largest,
-                                 lora_rank=policy.module.peft_config["default"].r if lora else 0)
+                llm = start_vllm(args, args.sft_model_path if lora else first, self.in_memory,
+                                 parameter_bytes(policy.module), lora_rank=policy.module.peft_config["default"].r if lora else 0)
                 adapter = add_adapter(llm, start_update, first) if lora else None
             except Exception as error:  # vLLM logged the cause above
                 self.stop(f"vLLM's engine did not start: {(str(error).strip().splitlines() or [repr(error)])[0]}")

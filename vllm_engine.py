@@ -5,6 +5,7 @@ is learned: the log-probabilities vLLM returns with each sample (the behaviour p
 of the distribution it sampled from, after the temperature (logprobs_mode); the sampling request itself is the
 script's (vllm_generate)."""
 
+import collections
 import contextlib
 import copy
 import importlib.metadata
@@ -178,12 +179,31 @@ def packed_buffer_bytes(largest_bytes, bound=256 * 2**20):
     return max(bound, largest_bytes)
 
 
-def hand_off_bytes(largest_bytes, received):
-    """At most the GPU memory that loading new weights takes in vLLM's process beyond its share: layer-wise reload's
-    fresh copy of the layer being loaded (a fused one, such as gate_up_proj, up to twice the largest parameter) and,
-    with the weights `received` in memory, a packed chunk (its buffer, overshot by up to one parameter): NCCL's
-    receive buffer, or CUDA IPC's clones of the tensors of the learner's buffer."""
-    return 2 * largest_bytes + (packed_buffer_bytes(largest_bytes) + largest_bytes if received else 0)
+def parameter_bytes(model):
+    """{name: bytes} of a model's parameters (a ZeRO-3 partitioned one's whole size)."""
+    return {name: getattr(p, "ds_numel", p.numel()) * p.element_size() for name, p in model.named_parameters()}
+
+
+def largest_layer_bytes(sizes):
+    """The most bytes of parameters ({name: bytes}) in one decoder layer (names up to their first number, such as
+    model.layers.3; a parameter outside the layers on its own): a bound on any tensor vLLM fuses from them."""
+    layers = collections.Counter()
+    for name, size in sizes.items():
+        parts = name.split(".")
+        end = next((i for i, part in enumerate(parts) if part.isdigit()), len(parts) - 1)
+        layers[".".join(parts[:end + 1])] += size
+    return max(layers.values(), default=0)
+
+
+def hand_off_bytes(sizes, received):
+    """At most the GPU memory that loading new weights ({name: bytes}) takes in vLLM's process beyond its share:
+    layer-wise reload's fresh copy of the layer being loaded (a fused one: gate_up_proj up to twice the largest
+    parameter, a fused MoE layer all its experts, within one decoder layer's parameters) and, with the weights
+    `received` in memory, packed chunks (a buffer overshot by up to one parameter): two over NCCL, whose receiver
+    allocates a chunk's buffer before it drops the last one's, one over CUDA IPC (its clones of the learner's)."""
+    largest = max(sizes.values(), default=0)
+    chunk = packed_buffer_bytes(largest) + largest
+    return max(2 * largest, largest_layer_bytes(sizes)) + {"nccl": 2 * chunk, "ipc": chunk, None: 0}[received]
 
 
 LEARNER_CONTEXT = 2**29  # the learner's CUDA context and cuBLAS workspaces: outside its allocator's cap
@@ -217,12 +237,12 @@ def own_gpu_share(requested, total_bytes, hand_off):
     return requested if requested is not None else int(100 * (0.9 - hand_off / total_bytes)) / 100
 
 
-def start_vllm(args, model_path, weight_transfer=False, largest_bytes=0, lora_rank=0):
+def start_vllm(args, model_path, weight_transfer=False, sizes=None, lora_rank=0):
     """A vLLM engine for `model_path` in its own process (vLLM's default) on its own device: CUDA_VISIBLE_DEVICES (GPU)
     or VLLM_CPU_OMP_THREADS_BIND (CPU cores), which the engine process reads, are set only while it starts. With
     `weight_transfer` it takes weights in memory (weight_transfer()): in_memory_backend()'s (on a CPU: vLLM's "nccl"
     engine, provided only by the tests' plugin tests/cpu_weight_transfer). Its memory share leaves room for loading new
-    weights, whose largest parameter has `largest_bytes` (hand_off_bytes()). With a `lora_rank` it serves LoRA adapters
+    weights, of parameters of `sizes` bytes ({name: bytes}, hand_off_bytes()). With a `lora_rank` it serves LoRA adapters
     of that rank (add_adapter()): two at once, the one it generates with and the next."""
     from vllm import LLM
 
@@ -234,7 +254,7 @@ def start_vllm(args, model_path, weight_transfer=False, largest_bytes=0, lora_ra
     if torch.cuda.is_available():
         gpu, shared = vllm_gpu(args)
         backend = in_memory_backend(shared, args.world_size) if weight_transfer else None
-        hand_off = hand_off_bytes(largest_bytes, received=backend is not None)
+        hand_off = hand_off_bytes(sizes or {}, received=backend)
         if shared is not None:
             torch.cuda.empty_cache()  # blocks the learner's allocator holds but does not use are free for vLLM
             share, learner = vllm_memory_share(args.vllm_gpu_memory_utilization, *torch.cuda.mem_get_info(shared), gpu,

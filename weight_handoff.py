@@ -263,11 +263,12 @@ def send_weights(transfer, version):
 
 class WeightCheck(NamedTuple):
     """What vLLM must hold after loading a policy version, per the learner at hand-over (check_vllm_weights() compares):
-    the probe tokens' log-probabilities (with LoRA: those of the likeliest next `tokens`) and the digests of the
-    parameters that matched when vLLM started."""
+    the probe tokens' log-probabilities (with LoRA: those of the likeliest next `tokens`, and of the same tokens under
+    the base model, the adapter off) and the digests of the parameters that matched when vLLM started."""
     logprobs: list
     digests: dict
     tokens: list = None
+    base_logprobs: list = None
 
 
 class WeightsDiffer(Exception):
@@ -277,6 +278,19 @@ class WeightsDiffer(Exception):
 # The mean |difference| of log-probabilities allowed, by --bf16 (what vLLM and the learner give with the same weights:
 # docs/online_dpo_vllm.md, the weight check).
 PROBE_TOLERANCE = {False: 1e-3, True: 0.25}
+# With LoRA, the mean |difference| between the learner's probe log-probabilities and the base model's (its adapter off)
+# above which vLLM's must be closer to the learner's than to the base's (below it, vLLM's own noise, about 0.07 in
+# bfloat16 on SmolLM2, could decide): an adapter that vLLM applies only in part, or not at all, while it is young.
+ADAPTER_MOVED = {False: 1e-4, True: 0.1}
+
+
+def follows_the_adapter(vllm, learner, base, bf16):
+    """Whether vLLM's log-probabilities (flat lists) are closer to the learner's under its adapter than to the base
+    model's, wherever the adapter has moved the learner's by more than ADAPTER_MOVED on average."""
+    vllm, learner, base = (torch.tensor(values, dtype=torch.float64) for values in (vllm, learner, base))
+    if (learner - base).abs().mean() <= ADAPTER_MOVED[bf16]:
+        return True
+    return bool((vllm - learner).abs().mean() < (vllm - base).abs().mean())
 
 
 # vLLM fuses q/k/v projections into one qkv_proj and gate/up into gate_up_proj, in that order along the output
@@ -345,11 +359,16 @@ def expected_weights(policy, probe, names, pad_token_id, device):
     logits = policy(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(1) - 1).clamp(min=0),
                     use_cache=False).logits[:, :-1].float()
     logprobs = torch.log_softmax(logits, -1).gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1)
-    tokens = None
+    tokens = base_logprobs = None
     if is_lora(policy.module):
-        # check_vllm_weights compares the likeliest next tokens' log-probabilities, and the digests of the frozen base
-        # weights under vLLM's names and of the adapter under its file's
+        # check_vllm_weights compares the likeliest next tokens' log-probabilities (also the base model's: the adapter
+        # off), and the digests of the frozen base weights under vLLM's names and of the adapter under its file's
         logprobs, tokens = torch.log_softmax(logits, -1).max(-1)
+        with policy.module.disable_adapter():
+            base_logits = policy(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(1) - 1).clamp(min=0),
+                                 use_cache=False).logits[:, :-1].float()
+        base_logprobs = torch.log_softmax(base_logits, -1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+        base_logprobs = [row[len(row) - len(p) + 1:].tolist() for row, p in zip(base_logprobs, probe)]
         tokens = [row[len(row) - len(p) + 1:].tolist() for row, p in zip(tokens, probe)]
         base = PolicyWeights(policy.module.get_base_model())
         named = ((adapter_file_name(name) if "lora_" in name else name.replace(".base_layer", ""), tensor)
@@ -359,7 +378,8 @@ def expected_weights(policy, probe, names, pad_token_id, device):
         parts = None if names is None else {name for name, _ in policy.module.named_parameters(remove_duplicate=False)
                                             if name in names or fused_name(name) in names}
         digests = weight_digests(PolicyWeights(policy.module, parts), names)
-    return WeightCheck([row[len(row) - len(p) + 1:].tolist() for row, p in zip(logprobs, probe)], digests, tokens)
+    return WeightCheck([row[len(row) - len(p) + 1:].tolist() for row, p in zip(logprobs, probe)], digests, tokens,
+                       base_logprobs)
 
 
 def check_vllm_weights(llm, version, probe, expected, bf16, adapter=None):
@@ -397,3 +417,9 @@ def check_vllm_weights(llm, version, probe, expected, bf16, adapter=None):
         raise WeightsDiffer(f"vLLM does not hold version {version} of the learner's policy: its log-probabilities of "
                             f"the probe differ by {difference.mean():.2e} on average (tolerance "
                             f"{PROBE_TOLERANCE[bf16]:.0e}); {where} (--check-weights-every)")
+    flat = [[value for row in rows for value in row] for rows in (vllm_logprobs, expected.logprobs,
+                                                                  expected.base_logprobs or [])]
+    if adapter is not None and not follows_the_adapter(*flat, bf16):
+        raise WeightsDiffer(f"vLLM does not apply the LoRA adapter of version {version} of the learner's policy (not "
+                            "all of it): its log-probabilities of the probe are closer to the base model's than to "
+                            "the learner's (--check-weights-every)")

@@ -69,8 +69,7 @@ def vllm_loads():
     with tempfile.TemporaryDirectory() as tmp:
         write_for_vllm(model, model.state_dict(), os.path.join(tmp, "full"))
         data.with_lora(args, model).save_pretrained(os.path.join(tmp, "policy-0"))
-        llm = vllm_engine.start_vllm(args, path, lora_rank=16,
-                                     largest_bytes=max(p.numel() * p.element_size() for p in model.parameters()))
+        llm = vllm_engine.start_vllm(args, path, lora_rank=16, sizes=vllm_engine.parameter_bytes(model))
         try:
             adapter, seconds = vllm_engine.add_adapter(llm, 0, os.path.join(tmp, "policy-0")), {"adapter": [], "full": []}
             for version in (1, 2, 3):

@@ -251,17 +251,19 @@ OTHERS = [script for script in SHIPPED if script != "evaluate.py" and not script
 def test_every_script_trains_an_adapter_alone_from_the_reference(tmp_path, script):
     """Two updates at rank 8: the first update's KL is exactly 0 (a fresh adapter is the identity and the reference is
     the base); the checkpoint and DeepSpeed's state hold the adapter alone (and PPO's value model its adapter and
-    score head), trained; a *_vllm.py hands vLLM the adapter, and its weight check holds at every update."""
+    score head), trained; a *_vllm.py (--sync: batch 2 is the trained adapter's) hands vLLM the adapter, its weight
+    check holds at the hand-off, and vLLM's log-probabilities of batch 2 are the learner's under that adapter."""
     vllm = script.endswith("_vllm.py")
     result = run_script(script, "--lora-rank", "8", "--learning-rate", "3e-3", "--total-episodes", "128",
                         "--save-every", "2", "--eval-every", "0", "--num-eval-prompts", "32", "--output-dir", str(tmp_path),
-                        *(["--vllm-enforce-eager", "--check-weights-every", "1"] if vllm else []))
+                        *(["--vllm-enforce-eager", "--check-weights-every", "1", "--sync"] if vllm else []))
     rows = read_metrics(run_dir_of(tmp_path))
     assert [row["update"] for row in rows] == [0, 1, 2]
     assert rows[1].get("objective/kl", rows[1].get("pairs/kl")) == 0.0
     assert rows[2].get("objective/kl", rows[2].get("pairs/kl")) != 0.0
     if vllm:
         assert "its LoRA adapter" in result.stdout and rows[1]["async/mismatch_kl"] < 1e-6
+        assert rows[2]["async/off_policy_steps"] == 0 and rows[2]["async/mismatch_kl"] < 1e-4, rows[2]
     checkpoint = os.path.join(run_dir_of(tmp_path), "checkpoint-2")
     from safetensors.torch import load_file
 
@@ -278,18 +280,19 @@ def test_every_script_trains_an_adapter_alone_from_the_reference(tmp_path, scrip
 
 def test_two_processes_under_zero3_train_and_hand_off_an_adapter(tmp_path):
     """rloo_vllm.py, two ranks under ZeRO-3, two updates late: rank 0 gathers the adapter alone (the base stays
-    partitioned) for vLLM at each hand-off, where the weight check finds it at every update; each rank saves its shard
-    of the adapter and its optimizer state, rank 0 the whole adapter in peft's format."""
+    partitioned) for vLLM at each hand-off, where the weight check finds it (batch 4 is version 1's); each rank saves
+    its shard of the adapter and its optimizer state, rank 0 the whole adapter in peft's format."""
     from test_scripts_run import free_port, launch_two_processes
 
     launch_two_processes(tmp_path, free_port(), [
         "rloo_vllm.py", "--lora-rank", "8", "--learning-rate", "3e-3", "--off-policy-steps", "2", "--vllm-enforce-eager",
         "--check-weights-every", "1", "--deepspeed-config", "ds_configs/zero3.json", "--per-device-train-batch-size",
-        "32", "--total-episodes", "192", "--save-every", "3", "--num-eval-prompts", "32", "--output-dir",
+        "32", "--total-episodes", "256", "--save-every", "3", "--num-eval-prompts", "32", "--output-dir",
         str(tmp_path / "run")], nodes=1)
     rows = read_metrics(run_dir_of(tmp_path / "run"))
-    assert [row["async/off_policy_steps"] for row in rows[1:]] == [0, 1, 2]
+    assert [row["async/off_policy_steps"] for row in rows[1:]] == [0, 1, 2, 2]
     assert rows[1]["objective/kl"] == 0.0 and rows[1]["async/mismatch_kl"] < 1e-6
+    assert rows[4]["async/mismatch_kl"] < 1e-4, rows[4]  # vLLM generated batch 4 with adapter version 1
     checkpoint = os.path.join(run_dir_of(tmp_path / "run"), "checkpoint-3")
     from peft import PeftModel
 

@@ -329,17 +329,26 @@ def test_vllm_memory_share_on_a_gpu_shared_with_training(capsys):
 
 def test_vllm_on_a_gpu_of_its_own_leaves_room_for_loading_new_weights():
     """What a hand-off takes in vLLM's process beyond its share: layer-wise reload's copy of a (fused) layer, up to
-    twice the largest parameter, and received in memory a packed chunk (NCCL's buffer, CUDA IPC's clones), its buffer
-    overshot by up to one parameter. A 1.5 B
-    tied model (Qwen2.5-1.5B: a 151936 x 1536 bf16 embedding, 467 MB) on a 24 GiB GPU of vLLM's own: 4 x 467 MB over
-    NCCL, which the old default (0.9, and two NCCL buffers each way) left out; a small model keeps 0.9 less a hundredth."""
+    twice the largest parameter or a decoder layer's parameters (a fused MoE layer's experts), and received in memory
+    packed chunks, each its buffer overshot by up to one parameter: two over NCCL (vLLM's receiver allocates a chunk's
+    buffer before it drops the last one's), one over CUDA IPC (its clones). A 1.5 B tied model (Qwen2.5-1.5B: a
+    151936 x 1536 bf16 embedding, 467 MB) on a 24 GiB GPU of vLLM's own: 6 x 467 MB over NCCL; a small model keeps
+    0.9 less a hundredth; a Mixtral-like MoE layer (8 experts of 3 x 4096 x 14336 bf16) reloads 2.8 GB at once."""
     gib, largest = 2**30, 151936 * 1536 * 2
-    assert vllm_engine.hand_off_bytes(largest, received=True) == 4 * largest
-    assert vllm_engine.hand_off_bytes(largest, received=False) == 2 * largest  # files: the reload only
-    assert vllm_engine.hand_off_bytes(1000, received=True) == 3000 + 256 * 2**20  # the buffer's 256 MiB floor
-    assert vllm_engine.own_gpu_share(None, 24 * gib, vllm_engine.hand_off_bytes(largest, True)) == 0.82
-    assert vllm_engine.own_gpu_share(None, 80 * gib, vllm_engine.hand_off_bytes(10**6, True)) == 0.89
-    assert vllm_engine.own_gpu_share(0.95, 24 * gib, 4 * largest) == 0.95  # --vllm-gpu-memory-utilization wins
+    qwen = {"model.embed_tokens.weight": largest, "model.layers.0.mlp.gate_proj.weight": 8960 * 1536 * 2}
+    assert vllm_engine.hand_off_bytes(qwen, received="nccl") == 6 * largest
+    assert vllm_engine.hand_off_bytes(qwen, received="ipc") == 4 * largest
+    assert vllm_engine.hand_off_bytes(qwen, received=None) == 2 * largest  # files: the reload only
+    assert vllm_engine.hand_off_bytes({"w": 1000}, received="nccl") == 2000 + 2 * (256 * 2**20 + 1000)  # 256 MiB floor
+    assert vllm_engine.own_gpu_share(None, 24 * gib, vllm_engine.hand_off_bytes(qwen, "nccl")) == 0.79
+    assert vllm_engine.own_gpu_share(None, 80 * gib, vllm_engine.hand_off_bytes({"w": 10**6}, "nccl")) == 0.89
+    assert vllm_engine.own_gpu_share(0.95, 24 * gib, 6 * largest) == 0.95  # --vllm-gpu-memory-utilization wins
+    expert = 4096 * 14336 * 2
+    mixtral = {"model.embed_tokens.weight": 32000 * 4096 * 2, **{
+        f"model.layers.{layer}.block_sparse_moe.experts.{e}.w{w}.weight": expert
+        for layer in range(2) for e in range(8) for w in (1, 2, 3)}}
+    assert vllm_engine.largest_layer_bytes(mixtral) == 24 * expert  # one layer's experts, not the two layers'
+    assert vllm_engine.hand_off_bytes(mixtral, received=None) == 24 * expert  # not twice the largest, 2 x 262 MB
 
 
 def test_the_weight_check_fails_on_a_gpu_when_its_rule_for_fused_tensors_is_wrong(monkeypatch, capsys):
@@ -361,6 +370,23 @@ def test_the_weight_check_fails_on_a_gpu_when_its_rule_for_fused_tensors_is_wron
     names = weight_handoff.digests_to_check(expected, held, on_gpu=False)
     assert "model.layers.0.self_attn.qkv_proj.weight" not in names and "model.embed_tokens.weight" in names
     assert "left out: vLLM repacks them for its CPU kernels" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("bf16", [True, False])
+def test_the_lora_weight_check_wants_vllm_nearer_the_learner_than_the_base(bf16):
+    """Under an adapter, vLLM's probe log-probabilities must be closer to the learner's than to the base model's (the
+    adapter off) once the adapter has moved them past ADAPTER_MOVED: a young adapter that vLLM does not apply, or
+    applies in part, passes the tolerance (0.25 in bfloat16) but not this."""
+    moved, noise = (0.15, 0.05) if bf16 else (6e-4, 5e-6)  # both within PROBE_TOLERANCE
+    assert moved < weight_handoff.PROBE_TOLERANCE[bf16] and moved > weight_handoff.ADAPTER_MOVED[bf16]
+    base = [-2.0, -1.0, -0.5, -3.0]
+    learner = [b + moved for b in base]
+    follows = weight_handoff.follows_the_adapter
+    assert follows([x + noise for x in learner], learner, base, bf16)  # applied: within noise of the learner
+    assert not follows([b + noise for b in base], learner, base, bf16)  # not applied: the base's, within noise
+    assert not follows([b + 0.4 * moved for b in base], learner, base, bf16)  # applied in part (40 %)
+    young = [b + weight_handoff.ADAPTER_MOVED[bf16] / 2 for b in base]  # within noise of the base: not judged
+    assert follows(base, young, base, bf16)
 
 
 def test_the_weight_check_digests_vllms_fused_tensors_from_the_learners_parts():
@@ -691,7 +717,7 @@ def test_vllm_on_a_gpu_starts_with_what_its_weight_hand_off_needs(tmp_path, monk
         monkeypatch.delenv(name, raising=False)
     args = online_dpo_vllm.Args(bf16=True)
     args.world_size, largest = ranks, 2**30  # the largest parameter: 1 GiB
-    llm = vllm_engine.start_vllm(args, os.path.join(TINY, "sft"), weight_transfer=True, largest_bytes=largest)
+    llm = vllm_engine.start_vllm(args, os.path.join(TINY, "sft"), weight_transfer=True, sizes={"embed": largest})
     backend = llm.engine_args.get("weight_transfer_config", {}).get("backend")
     assert llm.engine_args["dtype"] == "bfloat16"
     assert "CUDA_VISIBLE_DEVICES" not in os.environ  # restored: only the engine's processes see it
@@ -703,9 +729,9 @@ def test_vllm_on_a_gpu_starts_with_what_its_weight_hand_off_needs(tmp_path, monk
         if ranks == 1:
             assert llm.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] == "1"
             assert os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] == "1"
-    else:  # 0.9 less the reload's copy and the NCCL chunk: 2 + (1 + 1) GiB of 80
+    else:  # 0.9 less the reload's copy and two NCCL chunks: 2 + 2 x (1 + 1) GiB of 80
         assert backend == "nccl" and llm.environ["CUDA_VISIBLE_DEVICES"] == "1"
-        assert calls == [("mem_get_info", 0)] and llm.engine_args["gpu_memory_utilization"] == 0.85
+        assert calls == [("mem_get_info", 0)] and llm.engine_args["gpu_memory_utilization"] == 0.82
         assert "VLLM_ALLOW_INSECURE_SERIALIZATION" not in llm.environ  # NCCL's payload is names, dtypes, shapes
 
 
