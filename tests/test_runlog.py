@@ -1,0 +1,41 @@
+"""The run log says when a policy collapses (the README's LoRA command once collapsed with no word in its log): every
+response empty, the learner's entropy run away, or a KL to the reference of more than a nat a token; once each."""
+
+import json
+import types
+
+import runlog
+
+
+def update_metrics(length=12.0, entropy=0.5, kl=3.0, key="objective/kl"):
+    return {"episode": 64, "val/response_length": length, "policy/entropy_avg": entropy, key: kl,
+            "objective/scores": 0.5, "time/episodes_per_second": 100.0}
+
+
+def test_collapse_signs_against_the_first_update():
+    first = update_metrics()
+    assert runlog.collapse_signs(2, update_metrics(), 1, first) == []
+    assert runlog.collapse_signs(2, update_metrics(entropy=1.0, kl=36.0), 1, first) == []  # twice, 3 nats: not above
+    # the README's LoRA command at 3e-3 (rloo_vllm.py --lora-rank 8, seed 1), updates 1 and 12
+    kinds = [kind for kind, _ in runlog.collapse_signs(12, update_metrics(length=12.1, entropy=5.15, kl=49.3), 1,
+                                                       update_metrics(length=2.9, entropy=2.05, kl=0.0))]
+    assert kinds == ["entropy", "kl"]  # 5.15 > 2 x 2.05; 49.3 / 12.1 = 4.1 nats a token
+    (sign,) = runlog.collapse_signs(20, update_metrics(length=0.0, entropy=0.2, kl=0.0), 1, first)
+    assert sign[0] == "empty" and sign[1].startswith("the responses are 0.00 tokens long on average"), sign
+    (sign,) = runlog.collapse_signs(5, update_metrics(kl=37.2, key="pairs/kl"), 1, first)  # online DPO's KL
+    assert sign == ("kl", "the KL to the reference is 3.10 nats a token (37.20 a response): the policy has run far "
+                          "from it (a learning rate too high, or a KL coefficient too low?)")
+
+
+def test_the_run_log_warns_once_a_sign_and_keeps_every_update(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(runlog.dist, "get_rank", lambda: 0)
+    args = types.SimpleNamespace(num_updates=30, batch_size=64, resume=None, track=False)
+    log = runlog.RunLog(args, str(tmp_path), "run", 0, 0)
+    log.log(0, {"episode": 0, "eval/scores": 0.1})  # an evaluation alone: no update's figures
+    for update, entropy in enumerate([0.5, 0.6, 1.1, 1.5, 0.4], start=1):
+        log.log(update, {**update_metrics(entropy=entropy), "episode": 64 * update})
+    log.close()
+    warnings = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning:")]
+    assert warnings == ["warning: update 3: policy/entropy_avg 1.100 is more than twice update 1's 0.500: the policy "
+                        "may be collapsing (a learning rate too high?)"], warnings
+    assert [json.loads(line)["update"] for line in open(tmp_path / "metrics.jsonl")] == [0, 1, 2, 3, 4, 5]
