@@ -228,14 +228,20 @@ IS_CASES = [  # --is-cap, --is-level, --is-mode: per response, per token (paddin
 ]
 
 
-@pytest.mark.parametrize("script", IS_SCRIPTS, ids=lambda s: s.__name__)
-@pytest.mark.parametrize("cap, level, mode, expected", IS_CASES, ids=[f"{c}-{l}-{m}" for c, l, m, _ in IS_CASES])
+def typing_choices(script, field):
+    return typing.get_args(script.Args.__dataclass_fields__[field].type)
+
+
+IS_RUNS = [(script, *case) for script in IS_SCRIPTS for case in IS_CASES
+           if case[1] in typing_choices(script, "is_level")]  # each script's own levels
+
+
+@pytest.mark.parametrize("script, cap, level, mode, expected", IS_RUNS,
+                         ids=[f"{s.__name__}-{c}-{l}-{m}" for s, c, l, m, _ in IS_RUNS])
 def test_the_loop_weights_by_the_is_options_given_on_the_command_line(script, cap, level, mode, expected, monkeypatch):
     """--is-cap, --is-level and --is-mode parsed as a user gives them, then main's own statements that make the
     importance weights run on hand-made log-probabilities; and main passes the weights to its loss."""
     name = script.__name__ + ".py"
-    if level not in typing_choices(script, "is_level"):
-        pytest.skip(f"{name} has no --is-level {level}")
     monkeypatch.setattr(sys, "argv", [name, "--is-cap", cap, "--is-level", level, "--is-mode", mode])
     args = script.parse_arguments(script.Args)
     namespace = {**vars(script), "args": args, "logprobs": LEARNER.masked_fill(PADDING, 9.0),
@@ -249,10 +255,6 @@ def test_the_loop_weights_by_the_is_options_given_on_the_command_line(script, ca
               and getattr(call.func, "id", "").endswith("_policy_loss")]
     assert losses and all(ast.unparse(call.args[-1]) == "is_weights[idx]" for call in losses), \
         f"{name}'s loss is not given the weights: {[ast.unparse(call) for call in losses]}"
-
-
-def typing_choices(script, field):
-    return typing.get_args(script.Args.__dataclass_fields__[field].type)
 
 
 @pytest.mark.parametrize("script", ALGORITHMS)
