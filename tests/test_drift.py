@@ -16,7 +16,7 @@ import torch
 import grpo_vllm
 import ppo_vllm
 import rloo_vllm
-from conftest import ALGORITHMS, ROOT, SHIPPED, TINY, definitions, forked_runs, read_metrics, run_dir_of, run_patched
+from conftest import ALGORITHMS, SHIPPED, TINY, definitions, forked_runs, read_metrics, run_dir_of, run_patched
 from test_layout import DETAILS
 
 
