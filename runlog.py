@@ -95,7 +95,8 @@ def collapse_signs(update, metrics, first_update, first):
     (kind, message): responses of at most one token on average (every one empty), the learner's mean entropy more
     than twice the first update's, a KL to the reference above 3 nats a token. A run goes on; its log says so. (The
     README's LoRA command at --learning-rate 3e-3 crossed both at updates 11-12 and sampled only the stop token from
-    update 19; at 1e-3 the entropy stayed within 1.2 times and the KL within 1.4 nats a token over 1,000 updates.)"""
+    update 19; at 1e-3 the entropy stayed within 1.25 times and the KL within 1.6 nats a token over 1,000 updates:
+    benchmark/results/readme_lora_tiny.txt.)"""
     length, entropy = metrics["val/response_length"], metrics["policy/entropy_avg"]
     kl = metrics.get("objective/kl", metrics.get("pairs/kl"))
     signs = []
