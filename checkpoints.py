@@ -180,6 +180,16 @@ def load_checkpoint(checkpoint, engines):
     return state["update"], state["episode"]
 
 
+def resumed_update(args):
+    """The update a run goes on from: its --resume checkpoint's (rank 0's latest, as load_checkpoint), or 0."""
+    if not args.resume:
+        return 0
+    chosen = [latest_checkpoint(args.resume)]
+    dist.broadcast_object_list(chosen, src=0)
+    with open(os.path.join(chosen[0], "trainer_state.json")) as f:
+        return json.load(f)["update"]
+
+
 def load_rank_state(checkpoint):
     """This rank's `rank_state` of save_checkpoint in rank 0's `checkpoint` (as load_checkpoint), loaded with
     weights_only: plain values, no code."""

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 from transformers import AutoTokenizer
 
-from checkpoints import latest_checkpoint, resume_hint
+from checkpoints import latest_checkpoint, resume_hint, resumed_update
 from data import load_tokenizer, stop_token_id
 from vllm_engine import (add_adapter, engine_dead, engine_exit, in_memory_backend, load_into_vllm, parameter_bytes,
                          pin_vllm_to_its_cores, shut_down, start_vllm, swap_adapter, vllm_gpu, wait_for)
@@ -37,7 +37,7 @@ class AsyncGeneration:
     update's batch (step 1), hand_over() gives vLLM the new weights (step 5), checkpoint_files() is what a checkpoint
     keeps of it, close() ends it (also at exit, on every way out).
 
-    On rank 0, vLLM starts from the learner's weights (version start_update: the SFT policy or the resumed one), then a
+    On rank 0, vLLM starts from the learner's weights (version start_update: 0, the SFT policy, or --resume's), then a
     GenerationThread generates batch t for the prompts the script chooses (choose_prompts(args, len(train_prompts),
     prompts_per_rank, t): each rank's indices, which the batch carries to the script's step 1) with version
     schedule(t, start_update, off_policy_steps), K = --off-policy-steps (0 with --sync). Later versions go in
@@ -48,7 +48,8 @@ class AsyncGeneration:
     (vllm_engine.swap_adapter); the base weights are never reloaded. `sample` is the script's sampling request
     (vllm_generate). The weight check compares the log-probabilities of the first train prompts (the probe)."""
 
-    def __init__(self, args, policy, run_dir, start_update, train_prompts, schedule, sample, choose_prompts, prefill=0):
+    def __init__(self, args, policy, run_dir, train_prompts, schedule, sample, choose_prompts, prefill=0):
+        start_update = resumed_update(args)
         tokenizer = load_tokenizer(args.sft_model_path, args.trust_remote_code)
         stop_id, k = stop_token_id(args, tokenizer), getattr(args, "k", 1)  # (PPO samples one response a prompt)
         off_policy_steps = 0 if args.sync else args.off_policy_steps

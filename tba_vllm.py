@@ -305,8 +305,8 @@ def main(args):
     # Updates 1 - prefill to 0 only fill the buffer (--buffer-prefill), with the SFT policy's responses to the first
     # prefill batches of prompts; update u trains after batch prefill + u.
     prefill = -(-args.buffer_prefill // args.batch_size)
-    generation = AsyncGeneration(args, policy, run_dir, start_update, train_prompts, schedule=generating_version,
-                                 sample=vllm_generate, choose_prompts=batch_prompts, prefill=prefill)
+    generation = AsyncGeneration(args, policy, run_dir, train_prompts, schedule=generating_version, sample=vllm_generate,
+                                 choose_prompts=batch_prompts, prefill=prefill)
 
     run_log = RunLog(args, run_dir, run_name, start_update, episode)  # metrics.jsonl, wandb, the console
     if rank == 0:
