@@ -7,6 +7,7 @@ import json
 import os
 import shutil
 import sys
+import time
 from dataclasses import asdict
 
 import torch
@@ -17,6 +18,7 @@ from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchChe
 from tqdm import tqdm
 from transformers import AutoTokenizer
 
+import timeline
 from checks import fail
 
 SCRIPT = os.path.basename(sys.argv[0])  # the script that runs (a copy too: my_rloo.py), named in its checkpoints
@@ -123,7 +125,7 @@ def save_checkpoint(args, run_dir, update, episode, engines, extra_files=None, r
     Written to a temporary directory renamed at the end: an interruption leaves no half-written checkpoint, and a
     failed write (a full disk) removes it and ends the run with one line."""
     final = os.path.join(run_dir, f"checkpoint-{update}")
-    tmp = final + ".tmp"
+    tmp, start = final + ".tmp", time.time()
     try:
         if dist.get_rank() == 0:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -154,6 +156,7 @@ def save_checkpoint(args, run_dir, update, episode, engines, extra_files=None, r
             shutil.rmtree(final, ignore_errors=True)
             os.replace(tmp, final)
         dist.barrier()
+        timeline.record("checkpoint", start, time.time(), update=update)
     except (OSError, RuntimeError) as error:  # a full disk: torch.save raises RuntimeError, the rest OSError
         free = shutil.disk_usage(run_dir).free / 2**20
         shutil.rmtree(tmp, ignore_errors=True)

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 from transformers import AutoTokenizer
 
+import timeline
 from checkpoints import latest_checkpoint, resume_hint, resumed_update
 from data import load_tokenizer, stop_token_id
 from vllm_engine import (add_adapter, engine_dead, engine_exit, in_memory_backend, load_into_vllm, parameter_bytes,
@@ -179,7 +180,9 @@ class AsyncGeneration:
         """What a checkpoint at `update` keeps: the batches already generated for the next K updates (by policies
         older than its own), which a resumed run trains on as this one will, so that it resumes exactly."""
         try:
-            ahead = self.thread.peek(min(self.off_policy_steps, self.args.num_updates - update)) if self.rank == 0 else []
+            with timeline.span("wait for the batches ahead", update=update):
+                ahead = self.thread.peek(min(self.off_policy_steps, self.args.num_updates - update)) \
+                    if self.rank == 0 else []
         except GenerationFailed as error:  # the generator failed while the learner trained: as get() would say
             self.stop(str(error))
         return {GENERATED_BATCHES: [batch._asdict() for batch in ahead]}
@@ -323,17 +326,20 @@ class GenerationThread:
                     self.receivers.put(loaded + 1)  # for wait_for_receiver(): vLLM is idle until the next version
                     # No deadline: the next version comes after the learner's update, evaluation and checkpoint,
                     # however long they take; the learner's own waits are bounded, and its stopping ends this one.
-                    loaded, weights_path, finish, expected = self._take(self.versions, "waiting for new weights",
-                                                                        check=lambda: None, timeout=math.inf)
-                    if self.adapter is not None:  # LoRA: the new adapter in, the old one out (the base stays)
-                        self.adapter = swap_adapter(self.llm, self.adapter, loaded, weights_path)
-                    elif weights_path is not None:
-                        load_into_vllm(self.llm, weights_path)
-                        shutil.rmtree(weights_path, ignore_errors=True)
-                    if finish is not None:
-                        finish()
+                    with timeline.span("wait for a version", version=loaded + 1):
+                        loaded, weights_path, finish, expected = self._take(self.versions, "waiting for new weights",
+                                                                            check=lambda: None, timeout=math.inf)
+                    with timeline.span("load a version", version=loaded):
+                        if self.adapter is not None:  # LoRA: the new adapter in, the old one out (the base stays)
+                            self.adapter = swap_adapter(self.llm, self.adapter, loaded, weights_path)
+                        elif weights_path is not None:
+                            load_into_vllm(self.llm, weights_path)
+                            shutil.rmtree(weights_path, ignore_errors=True)
+                        if finish is not None:
+                            finish()
                     if expected is not None:
-                        check_vllm_weights(self.llm, loaded, self.probe, expected, args.bf16, self.adapter)
+                        with timeline.span("check the weights", version=loaded):
+                            check_vllm_weights(self.llm, loaded, self.probe, expected, args.bf16, self.adapter)
                 t1 = time.time()
                 # Every rank's prompts, rank after rank, as the script chooses them.
                 chosen = self.choose_prompts(args, len(self.train_prompts), self.prompts_per_rank, self.prefill + update)
@@ -345,6 +351,7 @@ class GenerationThread:
                 seed = args.seed * 2**32 + (self.prefill + update) * args.batch_size
                 responses, logprobs = self.vllm_generate(self.llm, prompts, self.k, args.response_length, self.stop_id,
                                                          args.temperature, seed=seed, adapter=self.adapter)
+                timeline.record("generate a batch", t1, time.time(), update=update, version=loaded)
                 # vLLM returns sample j of prompt p at j * len(prompts) + p, and rank r's prompt i is p =
                 # r * prompts_per_rank + i: regroup per rank, sample-major like the synchronous scripts' batches.
                 order = [[j * len(prompts) + r * self.prompts_per_rank + i for j in range(self.k)

@@ -311,7 +311,7 @@ def main(args):
             eval_metrics, samples = evaluate(args, policy, reward_model, gold_model, eval_prompts, eval_answers, tokenizer,
                                              stop_id, device, generate, truncate_response, score_responses)
             metrics.update(eval_metrics)
-        run_log.log(update, metrics, samples)
+        run_log.log(update, metrics, samples, phases={"generate": t0, "score": t1, "train": t2, "log": t3})
         if (args.save_every and update % args.save_every == 0) or update == args.num_updates:
             save_checkpoint(args, run_dir, update, episode, {"policy": policy})
 

@@ -1,6 +1,6 @@
 """The run's directory and record: metrics.jsonl (rank 0), with --track wandb (with a code snapshot of the script and of
-these modules), and on the console the progress bar and each evaluation's scores.
-Nothing here changes what is learned."""
+these modules), trace.json (every rank's timeline.py phases), and on the console the progress bar, each evaluation's
+scores and the signs of a collapsing policy. Nothing here changes what is learned."""
 
 import json
 import os
@@ -12,6 +12,7 @@ from dataclasses import asdict
 import torch.distributed as dist
 from tqdm import tqdm
 
+import timeline
 from checkpoints import latest_checkpoint
 
 
@@ -30,6 +31,7 @@ class RunLog:
 
     def __init__(self, args, run_dir, run_name, start_update, episode):
         self.writer, self.track = dist.get_rank() == 0, args.track
+        self.trace = os.path.join(run_dir, "trace.json")
         self.first, self.warned = None, set()  # the first update's metrics; the signs of a collapse said
         self.path = os.path.join(run_dir, "metrics.jsonl")
         self.progress = tqdm(total=args.num_updates * args.batch_size, initial=episode, unit="ep",
@@ -57,7 +59,11 @@ class RunLog:
                 if os.path.isfile(path) and os.path.dirname(path) == here and path != os.path.abspath(sys.argv[0]):
                     shutil.copy(path, os.path.join(wandb.run.dir, "code", os.path.basename(path)))
 
-    def log(self, update, metrics, samples=None):
+    def log(self, update, metrics, samples=None, phases=None):
+        """Record an update: its `metrics` (and evaluation `samples`), and its `phases` on this rank ({name: start
+        time}, each to the next's start, the last to now) for the timeline."""
+        if phases:
+            timeline.record_phases(phases, time.time(), update=update)
         if not self.writer:
             return
         if "policy/entropy_avg" in metrics:  # an update's metrics, not only an evaluation's
@@ -85,7 +91,13 @@ class RunLog:
                 self.wandb.log({"eval/samples": table}, step=metrics["episode"])
 
     def close(self):
+        """End the record (every rank calls this): the timeline of every rank into trace.json, after a resumed run's
+        earlier one."""
         self.progress.close()
+        ranks = [None] * dist.get_world_size() if self.writer else None
+        dist.gather_object(timeline.EVENTS, ranks, dst=0)
+        if self.writer:
+            write_trace(self.trace, ranks)
         if self.writer and self.track:
             self.wandb.finish()
 
@@ -111,4 +123,26 @@ def collapse_signs(update, metrics, first_update, first):
         signs.append(("kl", f"the KL to the reference is {kl / length:.2f} nats a token ({kl:.2f} a response): the "
                             "policy has run far from it (a learning rate too high, or a KL coefficient too low?)"))
     return signs
+
+
+def write_trace(path, ranks):
+    """trace.json, in Chrome's trace format: each rank a process, each of its threads (the learner's, the generator's)
+    a track of its own; the events of a trace already there (the run before a resume) kept first."""
+    events = []
+    if os.path.exists(path):
+        with open(path) as f:
+            events = [event for event in json.load(f)["traceEvents"] if event["ph"] == "X"]
+    threads = {}  # (rank, thread name): track, the learner's first and the generator's second in every trace
+    for rank, recorded in enumerate(ranks):
+        for event in recorded:
+            order = {"MainThread": 0, "generator": 1}
+            tid = threads.setdefault((rank, event["tid"]), order.get(event["tid"], len(order) + len(threads)))
+            events.append({**event, "pid": rank, "tid": tid})
+    names = [{"name": "process_name", "ph": "M", "pid": rank, "args": {"name": f"rank {rank}"}}
+             for rank in range(len(ranks))]
+    names += [{"name": "thread_name", "ph": "M", "pid": rank, "tid": tid, "args": {"name": name}}
+              for (rank, name), tid in threads.items()]
+    with open(path + ".tmp", "w") as f:
+        json.dump({"traceEvents": names + events, "displayTimeUnit": "ms"}, f)
+    os.replace(path + ".tmp", path)
 

@@ -72,7 +72,7 @@ SCRIPTS = [name for name in TOP_LEVEL if is_script(name)]  # the shipped ones an
 # The shipped modules: the machinery every script imports. A researcher's own module beside them (a reward function, an
 # environment) is welcome and held to none of their rules.
 MODULES = ["checkpoints.py", "checks.py", "data.py", "distributed.py", "generator.py", "held_out.py", "runlog.py",
-           "vllm_engine.py", "weight_handoff.py"]
+           "timeline.py", "vllm_engine.py", "weight_handoff.py"]
 # Algorithm scripts (not evaluate.py and its copies): those with the algorithm's banner.
 ALGORITHMS = [name for name in SCRIPTS if ALGORITHM_BANNER in open(os.path.join(ROOT, name)).read()]
 
