@@ -33,6 +33,7 @@ class RunLog:
         self.writer, self.track = dist.get_rank() == 0, args.track
         self.trace = os.path.join(run_dir, "trace.json")
         self.first, self.warned = None, set()  # the first update's metrics; the signs of a collapse said
+        self.last_log = None  # when the last update was logged: an update's wall-clock time runs from there
         self.path = os.path.join(run_dir, "metrics.jsonl")
         self.progress = tqdm(total=args.num_updates * args.batch_size, initial=episode, unit="ep",
                              disable=not self.writer)
@@ -62,10 +63,14 @@ class RunLog:
     def log(self, update, metrics, samples=None, phases=None):
         """Record an update: its `metrics` (and evaluation `samples`), and its `phases` on this rank ({name: start
         time}, each to the next's start, the last to now) for the timeline."""
+        now = time.time()
         if phases:
-            timeline.record_phases(phases, time.time(), update=update)
+            timeline.record_phases(phases, now, update=update)
         if not self.writer:
             return
+        if phases:
+            metrics = {**metrics, **time_shares(metrics, timeline.EVENTS, self.last_log or min(phases.values()), now)}
+            self.last_log = now
         if "policy/entropy_avg" in metrics:  # an update's metrics, not only an evaluation's
             self.first = self.first or (update, metrics)
             for kind, message in collapse_signs(update, metrics, *self.first):
@@ -145,4 +150,29 @@ def write_trace(path, ranks):
     with open(path + ".tmp", "w") as f:
         json.dump({"traceEvents": names + events, "displayTimeUnit": "ms"}, f)
     os.replace(path + ".tmp", path)
+
+
+VLLM_WORK = ("generate a batch", "load a version", "check the weights")  # the generator thread's busy phases
+
+
+def time_shares(metrics, events, start, end):
+    """Where an update's wall-clock time (`start` to `end`: from the last update's log) went: its seconds and, in a
+    *_vllm.py, the learner's idle share (waiting for the batch), vLLM's (its generator thread's phases of VLLM_WORK
+    in this process's timeline `events`, which end in order) and the overlap bound, (generation + the learner's work) /
+    their maximum: the speed-up over --sync that generating wholly beside training would give."""
+    seconds = end - start
+    shares = {"time/update": seconds}
+    if "time/vllm_generation" not in metrics or seconds <= 0:
+        return shares
+    busy = 0.0
+    for event in reversed(events):
+        event_start, event_end = event["ts"] / 1e6, (event["ts"] + event["dur"]) / 1e6
+        if event_end <= start:
+            break
+        if event["tid"] == "generator" and event["name"] in VLLM_WORK:
+            busy += max(0.0, min(end, event_end) - max(start, event_start))
+    generation, learner = metrics["time/vllm_generation"], seconds - metrics["time/generation_wait"]
+    return {**shares, "time/learner_idle_fraction": metrics["time/generation_wait"] / seconds,
+            "time/vllm_idle_fraction": 1 - busy / seconds,
+            "time/overlap_bound": (generation + learner) / max(generation, learner, 1e-9)}
 

@@ -5,7 +5,7 @@ import json
 import os
 import types
 
-from conftest import run_dir_of, run_script
+from conftest import read_metrics, run_dir_of, run_script
 
 import runlog
 
@@ -73,7 +73,28 @@ def test_the_trace_shows_every_update_of_the_learner_and_the_generator(tmp_path)
             e["name"] for e in learner}
         for track in tracks.values():
             assert all(a["ts"] + a["dur"] <= b["ts"] + 1 for a, b in zip(track, track[1:])), track  # (1 us: rounding)
+        rows = [row for row in read_metrics(run_dir_of(tmp_path / script)) if row["update"]]
+        assert all(row["time/update"] > 0 for row in rows)
+        if "vllm" in script:  # where each update's time went
+            assert all(0 <= row["time/learner_idle_fraction"] <= 1 and 0 <= row["time/vllm_idle_fraction"] <= 1
+                       and 1 <= row["time/overlap_bound"] <= 2 for row in rows), rows
         starts = [e["ts"] for e in learner if e["name"] == phases[0]]
         for start, end in zip(starts, starts[1:]):
             covered = sum(e["dur"] for e in learner if start <= e["ts"] < end)
             assert covered >= 0.9 * (end - start), (script, start, end, covered)
+
+
+def test_an_updates_time_shares_from_its_metrics_and_the_generators_phases():
+    """An update of 10 s (from the last log) in which the learner waited 2 s for its batch and vLLM's thread generated
+    for 4 s, loaded for 1 s and waited otherwise: learner idle 0.2, vLLM idle 0.5, and overlapping 4 s of generation
+    with 8 s of the learner's work would be (4 + 8) / 8 = 1.5 times as fast as taking turns."""
+    def event(name, start, seconds, thread="generator"):
+        return {"name": name, "ts": round(start * 1e6), "dur": round(seconds * 1e6), "tid": thread}
+
+    events = [event("generate a batch", 90, 6), event("wait for a version", 96, 7), event("load a version", 103, 1),
+              event("score", 100, 5, "MainThread"), event("generate a batch", 104, 2), event("generate a batch", 108, 5)]
+    metrics = {"time/vllm_generation": 4.0, "time/generation_wait": 2.0}
+    shares = runlog.time_shares(metrics, events, 100.0, 110.0)
+    assert shares == {"time/update": 10.0, "time/learner_idle_fraction": 0.2, "time/vllm_idle_fraction": 0.5,
+                      "time/overlap_bound": 1.5}, shares  # generation: 96-100 outside, 104-106 and 108-110 inside
+    assert runlog.time_shares({"time/generation": 1.0}, events, 100.0, 110.0) == {"time/update": 10.0}  # no vLLM
