@@ -165,7 +165,9 @@ def test_vllm_generates_with_each_adapter_version_as_peft_does_and_the_check_sto
                 assert set(llm.llm_engine.list_loras()) == {version + 1} and not (tmp_path / f"policy-{version - 1}").exists()
             with torch.no_grad():
                 difference = _largest_difference(policy.module, prompts, _vllm_logprobs_with(llm, prompts, adapter))
-            assert difference < 2e-4, (version, difference)  # float32: up to 1.05e-4 seen at SmolLM2's version 2
+            # float32: at SmolLM2's version 2 1.05e-4 seen alone, 2.5e-4 beside another test process (a wrong or
+            # missing adapter differs by far more: the stale cases below)
+            assert difference < 5e-4, (version, difference)
             weight_handoff.check_vllm_weights(llm, version, prompts, weight_handoff.expected_weights(
                 policy, prompts, names, tokenizer.pad_token_id, "cpu"), bf16=False, adapter=adapter)
 
