@@ -162,6 +162,9 @@ def save_checkpoint(args, run_dir, update, episode, engines, extra_files=None, r
         shutil.rmtree(tmp, ignore_errors=True)
         sys.exit(f"error: could not write {final} ({str(error).splitlines()[0]}; {free:.1f} MiB free on its disk): "
                  "the partial checkpoint is removed, earlier checkpoints are intact")
+    except BaseException:  # a signal's exit (SIGTERM, Ctrl-C) while writing: no partial checkpoint stays either
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
 
 
 def load_checkpoint(checkpoint, engines):

@@ -268,6 +268,21 @@ def test_the_divergence_check_reads_a_zero3_partition_but_not_its_padding(tmp_pa
     assert exit.value.code == 1
 
 
+def test_a_signal_while_a_checkpoint_is_written_leaves_no_partial_one(tmp_path, process_group, monkeypatch):
+    """SIGTERM exits through sys.exit (generator.exit_on_signals), wherever the run is: in the middle of writing a
+    checkpoint, its temporary directory goes with it, as it does when the disk is full."""
+    process_group("gloo")
+
+    def terminated(*args, **kwargs):
+        raise SystemExit(128 + 15)
+
+    monkeypatch.setattr(checkpoints.torch, "save", terminated)  # the signal arrives as the RNG state is written
+    args = online_dpo_vllm.Args(sft_model_path=os.path.join(TINY, "sft"))
+    with pytest.raises(SystemExit) as exit:
+        checkpoints.save_checkpoint(args, str(tmp_path), 4, 256, {})
+    assert exit.value.code == 143 and os.listdir(tmp_path) == []
+
+
 def test_every_rank_resumes_from_rank_0s_latest_checkpoint(tmp_path):
     """Nodes sharing a run directory may list it differently for a while (NFS caches listings): a rank whose listing
     still names an older checkpoint must load rank 0's, or the ranks would resume at different updates."""
