@@ -278,11 +278,11 @@ def main(args):
             for i in range(0, len(query_responses), args.per_device_train_batch_size):
                 chunk = query_responses[i: i + args.per_device_train_batch_size]
                 chunk_responses = chunk[:, context_length:]
-                logprobs.append(response_logprobs(forward(policy, chunk, pad).logits, chunk_responses,
-                                                  context_length, args.temperature))
+                logprobs.append(response_logprobs(response_logits(policy, chunk, pad, context_length),
+                                                  chunk_responses, args.temperature))
                 with reference_model(policy, ref_policy) as reference:  # with LoRA: the policy, its adapter off
-                    ref_logprobs.append(response_logprobs(forward(reference, chunk, pad).logits, chunk_responses,
-                                                          context_length, args.temperature))
+                    ref_logprobs.append(response_logprobs(response_logits(reference, chunk, pad, context_length),
+                                                          chunk_responses, args.temperature))
                 scores.append(score_responses(args, reward_model, chunk, context_length,
                                               answers[i: i + args.per_device_train_batch_size], tokenizer))
         logprobs = torch.cat(logprobs).masked_fill(padding_mask, 0.0)
@@ -308,18 +308,18 @@ def main(args):
                 for micro_start in range(mini_start, mini_start + mini_batch_prompts, micro_batch_prompts):
                     prompts = order[micro_start: micro_start + micro_batch_prompts]
                     idx = best[prompts]
-                    logits = forward(policy, query_responses[idx], pad).logits
-                    new_logprobs = response_logprobs(logits, responses[idx], context_length, args.temperature)
+                    logits = response_logits(policy, query_responses[idx], pad, context_length)
+                    new_logprobs = response_logprobs(logits, responses[idx], args.temperature)
                     new_logprobs = new_logprobs.masked_fill(padding_mask[idx], 0.0)
                     loss = sft_loss(new_logprobs, padding_mask[idx] | ~has_best[prompts, None], args.nll_mean)
                     policy.backward(loss)
                     policy.step()
                     with torch.no_grad():
-                        entropy = entropy_from_logits(logits[:, context_length - 1: -1] / args.temperature)
+                        entropy = entropy_from_logits(logits / args.temperature)
                         stats["loss"].append(loss)
                         stats["logps"].append(new_logprobs.sum(1).mean())
                         stats["entropy"].append(masked_mean(entropy, ~padding_mask[idx]))
-        logits = None  # batch x length x vocabulary: not held through the steps that follow
+        logits = None  # batch x response length x vocabulary: not held through the steps that follow
         get_accelerator().synchronize()  # a GPU may still run the optimizer's step: it counts as training
         # Weights or outputs that became inf or NaN stop the run here, before they are used or saved.
         stop_if_diverged({"policy": policy}, eval_prompts[0], update, run_dir, args.learning_rate)
@@ -436,21 +436,31 @@ def truncate_response(responses, stop_token_id, pad_token_id):
     return responses.masked_fill(after_stop | from_pad, pad_token_id)
 
 
-def forward(model, query_responses, pad_token_id):
-    """Run a model on left-padded queries followed by right-padded responses; padded positions are masked and read
-    token 0 (the pad id may lie outside the model's vocabulary, see data.load_tokenizer)."""
+def forward(model, query_responses, pad_token_id, **model_kwargs):
+    """Run a model on left-padded queries followed by right-padded responses (and `model_kwargs`); padded positions
+    are masked and read token 0 (the pad id may lie outside the model's vocabulary, see data.load_tokenizer)."""
     attention_mask = query_responses != pad_token_id
     position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
     return model(input_ids=query_responses.masked_fill(~attention_mask, 0), attention_mask=attention_mask,
-                 position_ids=position_ids, use_cache=False)
+                 position_ids=position_ids, use_cache=False, **model_kwargs)
 
 
-def response_logprobs(logits, responses, context_length, temperature):
-    """Log-probabilities of the response tokens under logits divided by the sampling temperature. Padding gets a
-    number that callers mask: its id may lie past the vocabulary (data.load_tokenizer), so it reads the last row."""
-    logits = logits[:, context_length - 1: -1].float() / temperature
+def response_logits(model, query_responses, pad_token_id, context_length):
+    """The logits that predict the response tokens (at positions context_length - 1 to the one before last). The
+    language-model head runs on those positions alone (`logits_to_keep` counts from the end): nothing reads the
+    prompt's logits, which on long prompts are most of a pass's work and memory."""
+    response_length = query_responses.shape[1] - context_length
+    return forward(model, query_responses, pad_token_id, logits_to_keep=response_length + 1).logits[:, :-1]
+
+
+def response_logprobs(logits, responses, temperature):
+    """Log-probabilities of the response tokens under their logits (response_logits) divided by the sampling
+    temperature: each token's logit minus the log-sum-exp, with no log-softmax over the vocabulary kept per position.
+    Padding gets a number that callers mask: its id may lie past the vocabulary (data.load_tokenizer), so it reads
+    the last row."""
+    logits = logits.float() / temperature
     tokens = responses.clamp(max=logits.shape[-1] - 1)
-    return torch.log_softmax(logits, dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    return logits.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, -1)
 
 
 def entropy_from_logits(logits):

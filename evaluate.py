@@ -236,12 +236,12 @@ def score(args, models, prompts, responses, tokenizers, device):
             gold_ids = gold_tokenizer(texts, add_special_tokens=False)["input_ids"]
             out["gold"].append(reward_scores(models["gold"], left_pad(gold_ids, gold_tokenizer.pad_token_id, device),
                                              gold_tokenizer.pad_token_id))
-        sft_logits = forward(models["sft"], query_responses, pad).logits
+        sft_logits = response_logits(models["sft"], query_responses, pad, context_length)
         if "policy" in models:
-            policy_logits = forward(models["policy"], query_responses, pad).logits
+            policy_logits = response_logits(models["policy"], query_responses, pad, context_length)
             for name, logits in (("policy_logprob", policy_logits), ("sft_logprob", sft_logits)):
-                out[name].append((response_logprobs(logits, chunk, context_length, args.kl_temperature) * mask).sum(1))
-        out["sft_nll"].append(-(response_logprobs(sft_logits, chunk, context_length, 1.0) * mask).sum(1))
+                out[name].append((response_logprobs(logits, chunk, args.kl_temperature) * mask).sum(1))
+        out["sft_nll"].append(-(response_logprobs(sft_logits, chunk, 1.0) * mask).sum(1))
         out["length"].append(mask.sum(1))
     return {name: torch.cat(values).float() for name, values in out.items() if values}
 
@@ -454,21 +454,31 @@ def truncate_response(responses, stop_token_id, pad_token_id):
     return responses.masked_fill(after_stop | from_pad, pad_token_id)
 
 
-def forward(model, query_responses, pad_token_id):
-    """Run a model on left-padded queries followed by right-padded responses; padded positions are masked and read
-    token 0 (the pad id may lie outside the model's vocabulary, see data.load_tokenizer)."""
+def forward(model, query_responses, pad_token_id, **model_kwargs):
+    """Run a model on left-padded queries followed by right-padded responses (and `model_kwargs`); padded positions
+    are masked and read token 0 (the pad id may lie outside the model's vocabulary, see data.load_tokenizer)."""
     attention_mask = query_responses != pad_token_id
     position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
     return model(input_ids=query_responses.masked_fill(~attention_mask, 0), attention_mask=attention_mask,
-                 position_ids=position_ids, use_cache=False)
+                 position_ids=position_ids, use_cache=False, **model_kwargs)
 
 
-def response_logprobs(logits, responses, context_length, temperature):
-    """Log-probabilities of the response tokens under logits divided by the sampling temperature. Padding gets a
-    number that callers mask: its id may lie past the vocabulary (data.load_tokenizer), so it reads the last row."""
-    logits = logits[:, context_length - 1: -1].float() / temperature
+def response_logits(model, query_responses, pad_token_id, context_length):
+    """The logits that predict the response tokens (at positions context_length - 1 to the one before last). The
+    language-model head runs on those positions alone (`logits_to_keep` counts from the end): nothing reads the
+    prompt's logits, which on long prompts are most of a pass's work and memory."""
+    response_length = query_responses.shape[1] - context_length
+    return forward(model, query_responses, pad_token_id, logits_to_keep=response_length + 1).logits[:, :-1]
+
+
+def response_logprobs(logits, responses, temperature):
+    """Log-probabilities of the response tokens under their logits (response_logits) divided by the sampling
+    temperature: each token's logit minus the log-sum-exp, with no log-softmax over the vocabulary kept per position.
+    Padding gets a number that callers mask: its id may lie past the vocabulary (data.load_tokenizer), so it reads
+    the last row."""
+    logits = logits.float() / temperature
     tokens = responses.clamp(max=logits.shape[-1] - 1)
-    return torch.log_softmax(logits, dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    return logits.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, -1)
 
 
 @torch.no_grad()

@@ -21,9 +21,9 @@ from conftest import (ALGORITHM_BANNER, ALGORITHMS, MODULES, ROOT, SCRIPTS, SHIP
                       read_metrics, run, run_dir_of, run_script)
 
 # The RLHF details the loop computes with: the same source in every shipped script that has them.
-DETAILS = {"generate", "truncate_response", "forward", "response_logprobs", "entropy_from_logits", "reward_scores",
-           "last_number_reward", "RULE_REWARDS", "score_responses", "apply_missing_eos_penalty", "masked_mean",
-           "vllm_generate", "batch_prompts"}
+DETAILS = {"generate", "truncate_response", "forward", "response_logits", "response_logprobs", "entropy_from_logits",
+           "reward_scores", "last_number_reward", "RULE_REWARDS", "score_responses", "apply_missing_eos_penalty",
+           "masked_mean", "vllm_generate", "batch_prompts"}
 # Arguments whose name papers gave several meanings: DPO's beta and loss types, GRPO's KL weight and objectives, TBA's
 # target temperature.
 OWN_MEANING = {"beta", "loss_type"}

@@ -5,6 +5,7 @@ GPU and memory share, the weight hand-off's memory, bf16 and the DeepSpeed confi
 is in test_online_dpo_vllm.py, the gold model's other tokenizer in test_evaluate.py; what no CPU can check
 is in benchmark/gpu_smoke.sh.)"""
 
+import ast
 import dataclasses
 import glob
 import importlib
@@ -23,7 +24,7 @@ import deepspeed
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import ALGORITHMS, ROOT, SCRIPTS, TINY
+from conftest import ALGORITHMS, ROOT, SCRIPTS, SHIPPED, TINY, run_patched
 from deepspeed.runtime.config import DeepSpeedConfig
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
@@ -64,14 +65,80 @@ def test_truncate_response_pads_after_the_first_stop_token_and_from_the_first_pa
 
 
 def test_logprobs_use_logits_divided_by_the_temperature():
-    # Query of 2 tokens, response of 2 tokens, vocabulary of 3: positions 1 and 2 predict the response.
-    logits = torch.zeros(1, 4, 3)
-    logits[0, 1] = torch.tensor([2.0, 0.0, 0.0])
-    logits[0, 2] = torch.tensor([0.0, 4.0, 2.0])
-    logprobs = rloo.response_logprobs(logits, torch.tensor([[0, 2]]), context_length=2, temperature=2.0)
+    # A response of 2 tokens, vocabulary of 3: the logits that predict them (response_logits).
+    logits = torch.tensor([[[2.0, 0.0, 0.0], [0.0, 4.0, 2.0]]])
+    logprobs = rloo.response_logprobs(logits, torch.tensor([[0, 2]]), temperature=2.0)
     # Scaled logits [1, 0, 0] and [0, 2, 1]: log p = x_i - log(sum exp x).
     expected = [1 - math.log(math.e + 2), 1 - math.log(1 + math.e ** 2 + math.e)]
     assert torch.allclose(logprobs, torch.tensor([expected]), atol=1e-6)
+
+
+def full_response_logits(model, query_responses, pad, context_length):
+    """The computation response_logits replaces: the head on every position, then the response's positions kept."""
+    return rloo.forward(model, query_responses, pad).logits[:, context_length - 1: -1]
+
+
+def test_the_head_runs_on_the_response_alone_and_gives_the_full_computations_values():
+    """response_logits runs the language-model head on the response's positions and the one before (5 of 21 here),
+    not the prompt's; its logits, the sampled tokens' log-probabilities (a gather minus a logsumexp) and the entropy
+    equal those of the head on every position and a full log-softmax."""
+    model, queries, pad, stop = tiny_policy()
+    torch.manual_seed(0)
+    responses = rloo.truncate_response(rloo.generate(model, queries, pad, stop, 8, temperature=0.7), stop, pad)
+    query_responses, context_length = torch.cat([queries, responses], 1), queries.shape[1]
+    head_positions = []
+    model.get_output_embeddings().register_forward_hook(lambda module, inputs, out: head_positions.append(out.shape[1]))
+    with torch.no_grad():
+        ours = rloo.response_logits(model, query_responses, pad, context_length)
+        full = full_response_logits(model, query_responses, pad, context_length)
+    assert head_positions == [responses.shape[1] + 1, query_responses.shape[1]] == [5, 21]  # (all stopped by 4)
+    assert ours.shape == full.shape == (8, 4, model.config.vocab_size) and (ours - full).abs().max() < 1e-5
+    expected = torch.log_softmax(full / 0.7, -1).gather(-1, responses.clamp(max=full.shape[-1] - 1).unsqueeze(-1))
+    assert (rloo.response_logprobs(ours, responses, 0.7) - expected.squeeze(-1)).abs().max() < 1e-5
+    probs = torch.softmax(full / 0.7, -1)
+    assert (rloo.entropy_from_logits(ours / 0.7) + (probs * probs.log()).sum(-1)).abs().max() < 1e-5
+
+
+def test_every_pass_whose_logits_a_shipped_script_reads_names_the_positions_it_keeps():
+    """A model's `.logits` are read in the shipped scripts only from a call that passes logits_to_keep (response_logits;
+    the decoding step's 1): no pass runs the language-model head on a prompt whose logits nothing reads."""
+    for script in SHIPPED:
+        with open(os.path.join(ROOT, script)) as f:
+            tree = ast.parse(f.read())
+        full = [ast.unparse(node) for node in ast.walk(tree) if isinstance(node, ast.Attribute) and node.attr == "logits"
+                and isinstance(node.value, ast.Call) and "logits_to_keep" not in [k.arg for k in node.value.keywords]]
+        assert not full, f"{script}: {full}"
+
+
+HEAD_SPY = """
+import json, runpy, sys, torch
+passes, length = [], [0]
+def spy(module, inputs, output):  # each pass of the head: (sequences, their length, the positions the head computed)
+    if isinstance(module, torch.nn.Embedding):
+        length[0] = inputs[0].shape[1]
+    elif isinstance(module, torch.nn.Linear) and module.out_features == 638:  # the tiny task's vocabulary: the head
+        passes.append(output.shape[:2] + (length[0],))
+torch.nn.modules.module.register_module_forward_hook(spy)
+sys.argv = ["rloo.py"] + sys.argv[1:]
+try:
+    runpy.run_path("rloo.py", run_name="__main__")
+finally:
+    print("PASSES " + json.dumps(passes), flush=True)
+"""
+
+
+def test_a_runs_scoring_and_training_passes_run_the_head_on_the_response_alone(tmp_path):
+    """rloo.py with a LoRA adapter (peft and a DeepSpeed engine between the script and the model), two updates: every
+    pass of the head over a whole sequence (the policy's and the reference's, scoring and training) computes the
+    response's positions and the one before, never the prompt's (about 15 s)."""
+    result, errors = run_patched(HEAD_SPY, "--lora-rank", "4", "--learning-rate", "1e-3", "--total-episodes", "128",
+                                 "--num-ppo-epochs", "2", "--eval-every", "0", "--output-dir", str(tmp_path))
+    assert result.returncode == 0 and not errors, result.stderr[-3000:]
+    passes = json.loads(next(line for line in result.stdout.splitlines() if line.startswith("PASSES "))[7:])
+    # (not decoding steps, 1 position, nor checkpoints.stop_if_diverged's probe: one prompt, every logit checked)
+    whole = [(length, positions) for sequences, positions, length in passes if sequences > 1 and positions > 1]
+    # per update: the policy's and the reference's scoring passes, and 2 epochs of training passes
+    assert len(whole) >= 2 * 3 and all(positions <= 16 + 1 < length for length, positions in whole), whole
 
 
 def test_entropy_from_logits():
@@ -546,11 +613,11 @@ def test_gradient_checkpointing_recomputes_in_training_and_generates_with_the_kv
     engine.module.gpt_neox.layers[0].register_forward_pre_hook(lambda *_: runs.append(1))  # each time the layer runs
     responses, n = rloo.generate(plain, queries, pad, stop, 8), queries.shape[1]  # greedy
     ids = torch.cat([queries, responses], 1)
-    ours = rloo.response_logprobs(rloo.forward(engine, ids, pad).logits, responses, n, 1.0)
+    ours = rloo.response_logprobs(rloo.response_logits(engine, ids, pad, n), responses, 1.0)
     ours.sum().backward()
     assert engine.module.training and len(runs) == 2  # the forward, and its recomputation in the backward pass
     with torch.no_grad():
-        theirs = rloo.response_logprobs(rloo.forward(plain, ids, pad).logits, responses, n, 1.0)
+        theirs = rloo.response_logprobs(rloo.response_logits(plain, ids, pad, n), responses, 1.0)
     assert torch.allclose(ours, theirs, atol=1e-6)
     with distributed.unwrapped_for_generation(engine) as model:
         assert torch.equal(rloo.generate(model, queries, pad, stop, 8), responses)

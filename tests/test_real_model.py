@@ -166,6 +166,35 @@ def sync_run(smollm2, tmp_path_factory):
     shutil.rmtree(out)  # two checkpoints of 1.6 GB each: the disk CI runs on may have little to spare
 
 
+def test_the_head_runs_on_the_response_alone_on_the_real_model(smollm2):
+    """SmolLM2 (its head is the tied input embedding; a vocabulary of 49,152): response_logits computes the head on
+    the response's positions and the one before (17 of the ~45 of a chat prompt and 16 sampled tokens), and the
+    log-probabilities and entropy from them equal those of the head on every position and a full log-softmax."""
+    path = os.path.join(smollm2, "model")
+    tokenizer = data.load_tokenizer(path, False)
+    pad, stop = tokenizer.pad_token_id, tokenizer.eos_token_id
+    model = data.load_model(script.Args(bf16=False), path).eval()
+    queries = data.left_pad([tokenizer.encode(p, add_special_tokens=False) for p in _prompts(tokenizer)], pad, "cpu")
+    torch.manual_seed(0)
+    responses = script.generate(model, queries, pad, stop, 16, temperature=0.7)
+    responses = script.truncate_response(responses, stop, pad)
+    query_responses, context_length = torch.cat([queries, responses], 1), queries.shape[1]
+    head = []
+    model.get_output_embeddings().register_forward_hook(lambda module, inputs, out: head.append(out.shape[1]))
+    with torch.no_grad():
+        ours = script.response_logits(model, query_responses, pad, context_length)
+        full = script.forward(model, query_responses, pad).logits[:, context_length - 1: -1]
+    assert head == [responses.shape[1] + 1, query_responses.shape[1]] and context_length > 2 * responses.shape[1]
+    assert (ours - full).abs().max() < 1e-4
+    mask = responses != pad
+    full = full.double() / 0.7  # the exact values, against float32's rounding of either computation
+    expected = torch.log_softmax(full, -1).gather(-1, responses.clamp(max=49151).unsqueeze(-1)).squeeze(-1)
+    assert ((script.response_logprobs(ours, responses, 0.7) - expected) * mask).abs().max() < 1e-4
+    entropy = -(torch.softmax(full, -1) * torch.log_softmax(full, -1)).sum(-1)
+    # (float32's logsumexp minus the expectation: both about 30 here, so 1e-4 apart from the exact entropy as before)
+    assert ((script.entropy_from_logits(ours / 0.7) - entropy) * mask).abs().max() < 3e-4
+
+
 def test_an_on_policy_run_keeps_vllm_on_the_learners_policy(sync_run):
     """On-policy, vLLM samples from the learner's policy: the KL between its log-probabilities and the learner's
     stays under 1e-6 at every update (2.2e-5, 4.0e-5, 6.5e-5 with the output layer vLLM kept before the fix),
