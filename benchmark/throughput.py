@@ -21,6 +21,7 @@ against TRL's RLOOTrainer (TRL applies the same chat template and is given the s
     python benchmark/throughput.py               # 3 rounds, fp32 and bf16, ours and TRL: about 22 minutes
     python benchmark/throughput.py --quick       # CI: our scripts once, fp32, 6 updates, no TRL
     python benchmark/throughput.py --task smollm2 --rounds 1 --updates 6 --precision fp32   # about 12 minutes
+    git worktree add ../before REV && python benchmark/throughput.py --no-trl --baseline ../before   # against REV
 """
 
 import argparse
@@ -48,16 +49,19 @@ OURS = {
     "online_dpo_vllm.py": ["--k", "2"],
 }
 # The TRL trainer each of our scripts is compared with.
-BASELINE = {"rloo.py": "trl RLOOTrainer", "online_dpo.py": "trl OnlineDPOTrainer",
+BASELINE = {"rloo.py": "trl RLOOTrainer", "rloo_vllm.py": "trl RLOOTrainer", "rloo_vllm.py --sync": "trl RLOOTrainer",
+            "online_dpo.py": "trl OnlineDPOTrainer",
             "online_dpo_vllm.py": "trl OnlineDPOTrainer"}
 # What the training phase (time/training) computes per update: sequences, and passes over them in units of
 # a forward (backward = 2). rloo.py's training forward runs in its scoring phase (the ratio is 1), so its
 # training phase is the backward alone; bok.py trains on the best of each prompt's 2 responses.
-TRAINING_WORK = {"rloo.py": (BATCH, 2), "online_dpo.py": (BATCH, 3), "bok.py": (PROMPTS, 3), "ppo.py": (BATCH, 3),
+TRAINING_WORK = {"rloo.py": (BATCH, 2), "rloo_vllm.py": (BATCH, 2), "rloo_vllm.py --sync": (BATCH, 2), "online_dpo.py": (BATCH, 3), "bok.py": (PROMPTS, 3), "ppo.py": (BATCH, 3),
                  "online_dpo_vllm.py": (BATCH, 3)}
 
 
-# The real-model workload (--task smollm2): what one update is, for our rloo.py and TRL's RLOOTrainer alike.
+# The real-model workload (--task smollm2): what one update is, for our rloo.py and TRL's RLOOTrainer alike; rloo_vllm.py
+# (asynchronous, or with --sync) can run it too.
+SMOLLM2_SCRIPTS = ["rloo.py", "rloo_vllm.py", "rloo_vllm.py --sync"]
 SMOLLM2 = dict(prompts=8, completions=4, new_tokens=16, learning_rate=3e-6)
 SMOLLM2_OURS = ["--sft-model-path", "assets/smollm2/model", "--dataset-name", "assets/smollm2/data", "--rule-reward",
                 "last_number", "--k", "4", "--max-prompt-length", "64", "--missing-eos-penalty", "0",
@@ -76,7 +80,10 @@ def build_smollm2_workload(directory):
     with open(os.path.join(directory, "data", "train.jsonl"), "w") as f:
         for row in rows:
             f.write(json.dumps({"prompt": row["messages"], "answer": row["answer"]}) + "\n")
-    lengths = [len(tokenizer.apply_chat_template(row["messages"], add_generation_prompt=True, tokenize=True))
+    # (the template's text tokenised as the scripts do: apply_chat_template(tokenize=True) returns a BatchEncoding
+    # in transformers 5, whose len() is its number of fields)
+    lengths = [len(tokenizer.encode(tokenizer.apply_chat_template(row["messages"], add_generation_prompt=True,
+                                                                  tokenize=False), add_special_tokens=False))
                for row in rows]
     return sum(lengths) / len(lengths)
 
@@ -168,10 +175,11 @@ def generation_seconds(workload, dtype, repeats=5):
     return best
 
 
-def run_ours(script, precision, workload, updates, output_dir, quick, task="tiny"):
+def run_ours(system, precision, workload, updates, output_dir, quick, task="tiny", root=ROOT):
+    script, *flags = system.split()  # ("rloo_vllm.py --sync": the script and its flags)
     if task == "smollm2":
         batch = SMOLLM2["prompts"] * SMOLLM2["completions"]
-        command = [sys.executable, script, *SMOLLM2_OURS, "--response-length", str(SMOLLM2["new_tokens"]),
+        command = [sys.executable, script, *flags, *SMOLLM2_OURS, "--response-length", str(SMOLLM2["new_tokens"]),
                    "--per-device-train-batch-size", str(batch), "--total-episodes", str(batch * updates)]
     else:
         command = [sys.executable, script, *OURS[script], "--sft-model-path", f"{workload}/policy",
@@ -182,7 +190,7 @@ def run_ours(script, precision, workload, updates, output_dir, quick, task="tiny
                 "--output-dir", output_dir, "--bf16" if precision == "bf16" else "--no-bf16"]
     if script == "online_dpo_vllm.py" and quick:
         command.append("--vllm-enforce-eager")  # skips ~30 s of compilation; generation is slower
-    subprocess.run(command, cwd=ROOT, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    subprocess.run(command, cwd=root, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     (run_name,) = os.listdir(output_dir)
     with open(os.path.join(output_dir, run_name, "metrics.jsonl")) as f:
         rows = [json.loads(line) for line in f][1:]  # row 0 is the evaluation before training
@@ -193,7 +201,9 @@ def run_ours(script, precision, workload, updates, output_dir, quick, task="tiny
         row["time/generation"] = row.get("time/generation", row.get("time/vllm_generation"))
     phases = {name: statistics.mean(row.get(f"time/{name}", 0.0) for row in timed)
               for name in ("generation", "generation_wait", "scoring", "training", "weight_sync")}
-    return {"eps": (rows[-1]["episode"] - rows[1]["episode"]) / (end[-1] - end[1]), **phases,
+    eps = (rows[-1]["episode"] - rows[1]["episode"]) / (end[-1] - end[1])
+    idle = phases["generation_wait"] / ((rows[-1]["episode"] - rows[1]["episode"]) / (len(rows) - 2) / eps)
+    return {"eps": eps, **phases, "learner_idle": idle,
             "response_length": statistics.mean(row["val/response_length"] for row in timed)}
 
 
@@ -275,11 +285,15 @@ def main():
     parser.add_argument("--rounds", type=int, default=3, help="interleaved repetitions of every run")
     parser.add_argument("--updates", type=int, default=20, help="updates per run (the first 2 are not timed)")
     parser.add_argument("--precision", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16"])
-    parser.add_argument("--scripts", nargs="*", default=list(OURS), choices=list(OURS))
+    parser.add_argument("--scripts", nargs="*", choices=list(OURS) + SMOLLM2_SCRIPTS[1:],
+                        help=f"default: {' '.join(OURS)}; with --task smollm2 one or more of {SMOLLM2_SCRIPTS}, "
+                             "default rloo.py")
     parser.add_argument("--no-trl", action="store_true", help="skip TRL (it is not in the user's install)")
     parser.add_argument("--quick", action="store_true", help="one round, fp32, 6 updates, no TRL (for CI)")
     parser.add_argument("--task", choices=["tiny", "smollm2"], default="tiny",
                         help="tiny: 3.1 M-parameter models built here; smollm2: SmolLM2-135M-Instruct, rloo.py and TRL's RLOO")
+    parser.add_argument("--baseline", metavar="DIR", help="also run the scripts of another checkout (an earlier "
+                        "commit: `git worktree add DIR REV`), as 'SCRIPT (baseline)', interleaved with ours")
     parser.add_argument("--trl-worker", choices=["rloo", "online_dpo"], help=argparse.SUPPRESS)
     parser.add_argument("--workload", help=argparse.SUPPRESS)
     parser.add_argument("--output", help=argparse.SUPPRESS)
@@ -293,11 +307,15 @@ def main():
         parser.error("--updates: at least 4 (2 warm-up updates, then at least 2 timed)")
     smollm2 = options.task == "smollm2"
     if smollm2:
-        options.scripts = ["rloo.py"]
+        options.scripts = options.scripts or ["rloo.py"]
+        if set(options.scripts) - set(SMOLLM2_SCRIPTS):
+            parser.error(f"--scripts: with --task smollm2, one or more of {SMOLLM2_SCRIPTS}")
         from smollm2_sync_mismatch import build_smollm2  # (this script's folder)
         build_smollm2()
 
-    systems = list(options.scripts) + ([] if options.no_trl else ["trl RLOOTrainer"] + ([] if smollm2 else
+    options.scripts = options.scripts or list(OURS)
+    baselines = [f"{script} (baseline)" for script in options.scripts] if options.baseline else []
+    systems = list(options.scripts) + baselines + ([] if options.no_trl else ["trl RLOOTrainer"] + ([] if smollm2 else
                                                                                         ["trl OnlineDPOTrainer"]))
     results = {(system, precision): [] for system in systems for precision in options.precision}
     peaks = {precision: 0.0 for precision in options.precision}
@@ -325,15 +343,16 @@ def main():
                             trainer = "rloo" if system == "trl RLOOTrainer" else "online_dpo"
                             result = run_trl(trainer, precision, workload, options.updates, output_dir, options.task)
                         else:
-                            result = run_ours(system, precision, workload, options.updates, output_dir, options.quick,
-                                              options.task)
+                            script = system.removesuffix(" (baseline)")
+                            result = run_ours(script, precision, workload, options.updates, output_dir, options.quick,
+                                              options.task, options.baseline if system in baselines else ROOT)
                     except subprocess.CalledProcessError as error:
                         sys.exit(f"{system} ({precision}) failed:\n{error.stderr.decode()[-3000:]}")
-                    if system in TRAINING_WORK:
-                        sequences, passes = TRAINING_WORK[system]
+                    if system.removesuffix(" (baseline)") in TRAINING_WORK:
+                        sequences, passes = TRAINING_WORK[system.removesuffix(" (baseline)")]
                         if smollm2:
                             sequences = SMOLLM2["prompts"] * SMOLLM2["completions"]
-                        params = policy_params + (value_params if system == "ppo.py" else 0)  # PPO trains both
+                        params = policy_params + (value_params if system.startswith("ppo.py") else 0)  # PPO: both
                         tokens = sequences * (prompt_length + result["response_length"])  # real tokens, no padding
                         result["train_flops"] = 2 * params * passes * tokens / result["training"]
                     results[system, precision].append(result)
@@ -350,7 +369,7 @@ def main():
         for system in systems:
             runs = results[system, precision]
             line = f"{system:22}{min(r['eps'] for r in runs):9.1f}{median[system]:9.1f}"
-            baseline = BASELINE.get(system)
+            baseline = BASELINE.get(system.removesuffix(" (baseline)"))
             line += f"{median[system] / median[baseline]:7.2f}" if baseline in median else f"{'':7}"
             if not system.startswith("trl"):
                 phase = {name: statistics.median(r[name] for r in runs)
@@ -359,6 +378,14 @@ def main():
                          f"{phase['training']:6.3f}{phase['weight_sync']:6.3f}"
                          f"   {phase['train_flops'] / 1e9:13.1f}{phase['train_flops'] / peaks[precision]:8.0%}")
             print(line)
+        for system in systems:
+            if "vllm" in system:
+                idle = statistics.median(r["learner_idle"] for r in results[system, precision])
+                print(f"{system}: the learner waits for its batch {idle:.0%} of an update")
+    for precision in options.precision if baselines else []:
+        median = {system: statistics.median(r["eps"] for r in results[system, precision]) for system in systems}
+        print(f"\n{precision}, ours against the baseline checkout {options.baseline} (median over median): "
+              + ", ".join(f"{script} {median[script] / median[f'{script} (baseline)']:.2f}x" for script in options.scripts))
     for precision in options.precision if generation[options.precision[0]] else []:
         seconds = {name: statistics.median(g[name] for g in generation[precision]) for name in generation[precision][0]}
         print(f"\n{precision} generation of one batch, {BATCH} x {NEW_TOKENS} tokens (median of best-of-5): "

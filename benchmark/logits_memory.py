@@ -1,0 +1,160 @@
+"""Memory of the policy's passes with the language-model head on every position (the scripts before issue 66: the
+logits of the prompt computed, then sliced away) against the head on the response's positions alone (response_logits,
+as every script computes now), computed and measured in one invocation.
+
+Computed, from the models' configurations (typed in from Pythia's config.json: nothing is downloaded), at the paper's
+TL;DR shapes (16 sequences a device, 512-token prompts, 53-token responses; Pythia's padded vocabulary of 50,304): the
+bytes of the logits a training step holds through its backward pass (the head's output and the gradient flowing into
+it, in the weights' precision) and of the float32 log-probability tensors computed from the response's logits (the
+same before and after).
+
+Measured: one training step's forward and backward pass of the policy (the scripts' loss shape: the mean of the
+response's log-probabilities at temperature 0.7) and one scoring pass without gradients, each as before and as now:
+- on a GPU: Pythia-410M, 1B and 2.8B of those shapes with random weights in bf16, the peak of allocated memory above
+  the weights and their gradients (torch.cuda.max_memory_allocated);
+- on a CPU: SmolLM2-135M-Instruct (assets/smollm2) in float32 at its workload (32 sequences: 8 prompts of its chat
+  arithmetic x 4, 16-token responses), the peak resident memory above that before the pass, each in a fresh process.
+
+    python benchmark/logits_memory.py | tee benchmark/results/logits_memory_cpu.txt        # on this machine
+    python3 benchmark/logits_memory.py | tee benchmark/results/logits_memory_h200.txt      # on a GPU
+"""
+
+import json
+import os
+import resource
+import subprocess
+import sys
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+import rloo  # noqa: E402  (the scripts' forward, response_logits, response_logprobs)
+
+# name: (layers, hidden, intermediate, attention heads), from each model's config.json
+PYTHIA = {"Pythia-410M": (24, 1024, 4096, 16), "Pythia-1B": (16, 2048, 8192, 8), "Pythia-2.8B": (32, 2560, 10240, 32)}
+VOCAB, SEQUENCES, PROMPT, RESPONSE, TEMPERATURE, GB = 50304, 16, 512, 53, 0.7, 1e9
+
+
+def logprobs_before(model, query_responses, pad, context_length):
+    """The computation the scripts made before: the head on every position, the response's logits sliced from them,
+    a full log-softmax."""
+    logits = rloo.forward(model, query_responses, pad).logits[:, context_length - 1: -1].float() / TEMPERATURE
+    tokens = query_responses[:, context_length:].clamp(max=logits.shape[-1] - 1)
+    return torch.log_softmax(logits, -1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+
+
+def logprobs_now(model, query_responses, pad, context_length):
+    logits = rloo.response_logits(model, query_responses, pad, context_length)
+    return rloo.response_logprobs(logits, query_responses[:, context_length:], TEMPERATURE)
+
+
+def run_pass(model, query_responses, pad, context_length, now, train):
+    compute = logprobs_now if now else logprobs_before
+    with torch.set_grad_enabled(train):
+        logprobs = compute(model, query_responses, pad, context_length)
+        if train:
+            (-logprobs.mean()).backward()
+
+
+def computed(sequences, length, response, vocab, weight_bytes):
+    """(before, now) in bytes: the head's output and its gradient (weight_bytes each), and the float32 tensors of
+    the response's logits divided by the temperature and of their log-softmax (or logsumexp input), alike in both."""
+    response_fp32 = 2 * sequences * response * vocab * 4
+    return (2 * sequences * length * vocab * weight_bytes + response_fp32,
+            2 * sequences * (response + 1) * vocab * weight_bytes + response_fp32)
+
+
+def measure_gpu():
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+    print(f"measured on {torch.cuda.get_device_name()}, bf16, {SEQUENCES} sequences x ({PROMPT} + {RESPONSE}) tokens; "
+          "peak GB above the weights and their gradients")
+    print("| model | parameters | training step: before | now | saved | scoring pass: before | now | saved |")
+    print("|---|---|---|---|---|---|---|---|")
+    for name, (layers, hidden, intermediate, heads) in PYTHIA.items():
+        config = GPTNeoXConfig(vocab_size=VOCAB, hidden_size=hidden, num_hidden_layers=layers, intermediate_size=intermediate,
+                               num_attention_heads=heads, rotary_pct=0.25, max_position_embeddings=2048,
+                               tie_word_embeddings=False)
+        with torch.device("cuda"):
+            model = GPTNeoXForCausalLM(config).to(torch.bfloat16)
+        for p in model.parameters():
+            p.grad = torch.zeros_like(p)  # held through the step as the optimizer's gradients are
+        ids = torch.randint(0, VOCAB, (SEQUENCES, PROMPT + RESPONSE), device="cuda")
+        peaks = []
+        for train in (True, False):
+            for now in (False, True):
+                torch.cuda.synchronize()
+                base = torch.cuda.memory_allocated()
+                torch.cuda.reset_peak_memory_stats()
+                run_pass(model, ids, VOCAB, PROMPT, now, train)
+                torch.cuda.synchronize()
+                peaks.append((torch.cuda.max_memory_allocated() - base) / GB)
+        n = sum(p.numel() for p in model.parameters())
+        print(f"| {name} | {n / 1e9:.2f} B | {peaks[0]:.2f} | {peaks[1]:.2f} | {peaks[0] - peaks[1]:.2f} "
+              f"({100 * (1 - peaks[1] / peaks[0]):.0f} %) | {peaks[2]:.2f} | {peaks[3]:.2f} | {peaks[2] - peaks[3]:.2f} "
+              f"({100 * (1 - peaks[3] / peaks[2]):.0f} %) |")
+        del model, ids
+        torch.cuda.empty_cache()
+
+
+def cpu_pass(now, train):
+    """One pass in this (fresh) process: the peak resident memory above that before it, in bytes."""
+    import data
+    path = os.path.join(ROOT, "assets", "smollm2", "model")
+    tokenizer = data.load_tokenizer(path, False)
+    model = data.load_model(rloo.Args(bf16=False), path)
+    with open(os.path.join(ROOT, "assets", "smollm2", "data", "train.jsonl")) as f:
+        prompts = [tokenizer.apply_chat_template(json.loads(line)["messages"], add_generation_prompt=True,
+                                                 tokenize=False) for line, _ in zip(f, range(8))]
+    queries = data.left_pad([tokenizer.encode(p, add_special_tokens=False) for p in prompts], tokenizer.pad_token_id,
+                            "cpu").repeat(4, 1)
+    torch.manual_seed(0)
+    responses = torch.randint(0, 49152, (len(queries), 16))
+    query_responses = torch.cat([queries, responses], 1)
+    if train:
+        for p in model.parameters():
+            p.grad = torch.zeros_like(p)
+    with open("/proc/self/statm") as f:  # resident pages now (the peak so far may be the model's loading)
+        before = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    run_pass(model, query_responses, tokenizer.pad_token_id, queries.shape[1], now, train)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    print(json.dumps({"bytes": peak - before, "length": query_responses.shape[1]}))
+
+
+def measure_cpu():
+    print("measured on this CPU, float32, SmolLM2-135M-Instruct, 32 sequences (8 chat prompts x 4) + 16-token "
+          "responses; peak resident GB above that before the pass, each in a fresh process")
+    results = {}
+    for train in (True, False):
+        for now in (False, True):
+            out = subprocess.run([sys.executable, __file__, "--cpu-pass", str(int(now)), str(int(train))],
+                                 capture_output=True, text=True, check=True, env={**os.environ, "OMP_NUM_THREADS": "2"})
+            results[train, now] = json.loads(out.stdout.strip().splitlines()[-1])
+    length = results[True, True]["length"]
+    before, now = computed(32, length, 16, 49152, 4)
+    print(f"sequence length {length}; computed logits' bytes of a training step: before {before / GB:.2f} GB, "
+          f"now {now / GB:.2f} GB")
+    print("| pass | before | now | saved |")
+    print("|---|---|---|---|")
+    for train, label in ((True, "training step"), (False, "scoring pass")):
+        b, n = results[train, False]["bytes"] / GB, results[train, True]["bytes"] / GB
+        print(f"| {label} | {b:.2f} | {n:.2f} | {b - n:.2f} ({100 * (1 - n / b):.0f} %) |")
+
+
+def main():
+    print(f"computed at the TL;DR shapes ({SEQUENCES} sequences x ({PROMPT} + {RESPONSE}) tokens, vocabulary {VOCAB}): "
+          "the logits' bytes of one training step, GB")
+    print("| precision | before | now | saved |")
+    print("|---|---|---|---|")
+    for label, weight_bytes in (("bf16", 2), ("float32", 4)):
+        before, now = computed(SEQUENCES, PROMPT + RESPONSE, RESPONSE, VOCAB, weight_bytes)
+        print(f"| {label} | {before / GB:.2f} | {now / GB:.2f} | {(before - now) / GB:.2f} |")
+    print()
+    measure_gpu() if torch.cuda.is_available() else measure_cpu()
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["--cpu-pass"]:
+        cpu_pass(bool(int(sys.argv[2])), bool(int(sys.argv[3])))
+    else:
+        main()
