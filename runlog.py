@@ -2,6 +2,7 @@
 these modules), trace.json (every rank's timeline.py phases), and on the console the progress bar, each evaluation's
 scores and the signs of a collapsing policy. Nothing here changes what is learned."""
 
+import atexit
 import json
 import os
 import shutil
@@ -31,6 +32,8 @@ class RunLog:
 
     def __init__(self, args, run_dir, run_name, start_update, episode):
         self.writer, self.track = dist.get_rank() == 0, args.track
+        self.batch_size, self.world_size = args.batch_size, dist.get_world_size()
+        self.staleness = {}  # {off-policy steps: batches trained so far}, for wandb's histogram
         self.trace = os.path.join(run_dir, "trace.json")
         self.first, self.warned = None, set()  # the first update's metrics; the signs of a collapse said
         self.last_log = None  # when the last update was logged: an update's wall-clock time runs from there
@@ -40,6 +43,7 @@ class RunLog:
         if not self.writer:
             return
         os.makedirs(run_dir, exist_ok=True)
+        atexit.register(self.write_own_trace)  # a run that ends in an error still shows where its time went
         if args.resume and os.path.exists(self.path):
             with open(self.path) as f:
                 kept = [line for line in f if json.loads(line)["update"] <= start_update]
@@ -71,6 +75,7 @@ class RunLog:
         if phases:
             metrics = {**metrics, **time_shares(metrics, timeline.EVENTS, self.last_log or min(phases.values()), now)}
             self.last_log = now
+        metrics = {**metrics, **throughputs(metrics, self.batch_size, self.world_size)}
         if "policy/entropy_avg" in metrics:  # an update's metrics, not only an evaluation's
             self.first = self.first or (update, metrics)
             for kind, message in collapse_signs(update, metrics, *self.first):
@@ -91,6 +96,11 @@ class RunLog:
             f.write(json.dumps({"update": update, **metrics}) + "\n")
         if self.track:
             self.wandb.log(metrics, step=metrics["episode"])
+            if "async/off_policy_steps" in metrics:
+                steps = round(metrics["async/off_policy_steps"])
+                self.staleness[steps] = self.staleness.get(steps, 0) + 1
+                self.wandb.log({"async/staleness": self.wandb.Histogram(np_histogram=staleness_histogram(
+                    self.staleness))}, step=metrics["episode"])
             if samples:
                 table = self.wandb.Table(columns=["query", "response", "score"], data=samples)
                 self.wandb.log({"eval/samples": table}, step=metrics["episode"])
@@ -102,9 +112,40 @@ class RunLog:
         ranks = [None] * dist.get_world_size() if self.writer else None
         dist.gather_object(timeline.EVENTS, ranks, dst=0)
         if self.writer:
+            atexit.unregister(self.write_own_trace)
             write_trace(self.trace, ranks)
         if self.writer and self.track:
             self.wandb.finish()
+
+    def write_own_trace(self):
+        """trace.json from rank 0's timeline alone, at the exit of a run that ended before close() (an error, a signal):
+        the other ranks may be gone or stuck, so theirs are not gathered."""
+        if os.path.isdir(os.path.dirname(self.trace)):
+            write_trace(self.trace, [list(timeline.EVENTS)])
+
+
+def throughputs(metrics, batch_size, world_size):
+    """An update's speed in tokens per second, from what every script logs: the batch's response tokens (`batch_size`
+    responses of val/response_length on average) over the seconds generating them (in a *_vllm.py vLLM's one engine
+    generates the whole batch; in the others each of the `world_size` processes its share), and each learner
+    process's share over its time/training. Prompt tokens are not counted (no script logs their number)."""
+    if "val/response_length" not in metrics:  # an evaluation's row
+        return {}
+    tokens = batch_size * metrics["val/response_length"]
+    generating = metrics.get("time/vllm_generation") or metrics.get("time/generation", 0) * world_size
+    speeds = {}
+    if generating > 0:
+        speeds["time/generated_tokens_per_second"] = tokens / generating
+    if metrics.get("time/training", 0) > 0:
+        speeds["time/trained_tokens_per_second"] = tokens / world_size / metrics["time/training"]
+    return speeds
+
+
+def staleness_histogram(counts):
+    """(batches, bin edges) for wandb.Histogram of {off-policy steps: batches}: one bin for each whole number of steps
+    from 0 to the most seen, centred on it."""
+    most = max(counts)
+    return [counts.get(steps, 0) for steps in range(most + 1)], [steps - 0.5 for steps in range(most + 2)]
 
 
 def collapse_signs(update, metrics, first_update, first):

@@ -1,13 +1,16 @@
 """The run log says when a policy collapses (the README's LoRA command once collapsed with no word in its log): every
 response empty, the learner's entropy run away, or a KL to the reference of more than a nat a token; once each."""
 
+import dataclasses
 import json
 import os
+import sys
 import types
 
 from conftest import read_metrics, run_dir_of, run_script
 
 import runlog
+import timeline
 
 
 def update_metrics(length=12.0, entropy=0.5, kl=3.0, key="objective/kl"):
@@ -98,3 +101,79 @@ def test_an_updates_time_shares_from_its_metrics_and_the_generators_phases():
     assert shares == {"time/update": 10.0, "time/learner_idle_fraction": 0.2, "time/vllm_idle_fraction": 0.5,
                       "time/overlap_bound": 1.5}, shares  # generation: 96-100 outside, 104-106 and 108-110 inside
     assert runlog.time_shares({"time/generation": 1.0}, events, 100.0, 110.0) == {"time/update": 10.0}  # no vLLM
+
+
+def test_an_updates_tokens_per_second_from_its_metrics():
+    """64 responses of 12.5 tokens on average are 800 tokens. vLLM's engine generated the whole batch in 2 s: 400 a
+    second; each of 2 learner processes trained on its 400 in 4 s: 100 a second. Without vLLM each of the 2 processes
+    generated its 400 tokens in 0.5 s: 800 a second; an evaluation's row has no tokens."""
+    vllm = {"val/response_length": 12.5, "time/vllm_generation": 2.0, "time/training": 4.0}
+    assert runlog.throughputs(vllm, 64, 2) == {"time/generated_tokens_per_second": 400.0,
+                                               "time/trained_tokens_per_second": 100.0}
+    hf = {"val/response_length": 12.5, "time/generation": 0.5, "time/training": 2.0}
+    assert runlog.throughputs(hf, 64, 2) == {"time/generated_tokens_per_second": 800.0,
+                                             "time/trained_tokens_per_second": 200.0}
+    assert runlog.throughputs(hf, 64, 1) == {"time/generated_tokens_per_second": 1600.0,
+                                             "time/trained_tokens_per_second": 400.0}
+    assert runlog.throughputs({"eval/scores": 0.5, "time/training": 1.0}, 64, 1) == {}
+
+
+def fake_run_log(tmp_path, monkeypatch, track=False, batch_size=64):
+    """A RunLog of one process (close() gathers only its timeline) writing into `tmp_path`; with `track`, a stand-in
+    for wandb that keeps what was logged (wandb.logged); its atexit registrations in `exits`."""
+    monkeypatch.setattr(runlog.dist, "get_rank", lambda: 0)
+    monkeypatch.setattr(runlog.dist, "get_world_size", lambda: 1)
+    monkeypatch.setattr(runlog.dist, "gather_object", lambda events, ranks, dst: ranks.__setitem__(0, events))
+    monkeypatch.setattr(timeline, "EVENTS", [])
+    exits = []
+    monkeypatch.setattr(runlog, "atexit", types.SimpleNamespace(register=exits.append, unregister=exits.remove))
+    wandb = types.SimpleNamespace(logged=[], init=lambda **kwargs: None, finish=lambda: None,
+                                  run=types.SimpleNamespace(dir=str(tmp_path / "wandb")),
+                                  Histogram=lambda np_histogram: ("histogram", np_histogram))
+    wandb.log = lambda metrics, step: wandb.logged.append((step, metrics))
+    monkeypatch.setitem(sys.modules, "wandb", wandb)
+
+    @dataclasses.dataclass
+    class Args:
+        num_updates: int = 5
+        batch_size: int = 64
+        resume: str = None
+        track: bool = False
+        wandb_project_name: str = "p"
+        wandb_entity: str = None
+
+    return runlog.RunLog(Args(batch_size=batch_size, track=track), str(tmp_path), "run", 0, 0), wandb, exits
+
+
+def test_the_staleness_of_the_batches_so_far_as_a_wandb_histogram(tmp_path, monkeypatch):
+    """With --track each update logs async/staleness: every batch trained so far counted at its off-policy steps, one
+    bin per whole step (0 for the first batch of a K = 1 run, 1 after), and the update's tokens per second."""
+    log, wandb, _ = fake_run_log(tmp_path, monkeypatch, track=True, batch_size=8)
+    assert runlog.staleness_histogram({1: 30, 0: 1}) == ([1, 30], [-0.5, 0.5, 1.5])
+    assert runlog.staleness_histogram({2: 5, 0: 1}) == ([1, 0, 5], [-0.5, 0.5, 1.5, 2.5])
+    for update, steps in enumerate([0, 1, 1], start=1):
+        log.log(update, {**update_metrics(length=4.0), "episode": 8 * update, "async/off_policy_steps": float(steps),
+                         "time/vllm_generation": 0.5, "time/training": 2.0, "time/generation_wait": 0.0})
+    log.close()
+    histograms = [metrics["async/staleness"] for _, metrics in wandb.logged if "async/staleness" in metrics]
+    assert histograms == [("histogram", ([1], [-0.5, 0.5])), ("histogram", ([1, 1], [-0.5, 0.5, 1.5])),
+                          ("histogram", ([1, 2], [-0.5, 0.5, 1.5]))]
+    rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    assert [(row["time/generated_tokens_per_second"], row["time/trained_tokens_per_second"]) for row in rows] == [
+        (64.0, 16.0)] * 3  # 8 responses of 4 tokens: 32 tokens in 0.5 s generating, 2 s training
+
+
+def test_a_run_that_ends_in_an_error_still_writes_its_trace(tmp_path, monkeypatch):
+    """The run log registers, at its start, writing rank 0's timeline at the process's exit; close() writes every rank's
+    and takes that back (else the exit would add its phases a second time)."""
+    log, _, exits = fake_run_log(tmp_path / "failed", monkeypatch)
+    log.log(1, {**update_metrics(), "episode": 64}, phases={"generate": 100.0, "train": 101.0})
+    assert not os.path.exists(tmp_path / "failed" / "trace.json")
+    for function in exits:  # the run raised: the interpreter's exit runs them
+        function()
+    spans = [e for e in json.load(open(tmp_path / "failed" / "trace.json"))["traceEvents"] if e["ph"] == "X"]
+    assert [(e["name"], e["args"]) for e in spans] == [("generate", {"update": 1}), ("train", {"update": 1})]
+    log, _, exits = fake_run_log(tmp_path / "ended", monkeypatch)
+    log.log(1, {**update_metrics(), "episode": 64}, phases={"generate": 100.0, "train": 101.0})
+    log.close()
+    assert exits == [] and len(json.load(open(tmp_path / "ended" / "trace.json"))["traceEvents"]) == 2 + 2
