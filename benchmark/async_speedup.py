@@ -22,12 +22,15 @@ seeds (one seed's accuracy on the 288 test problems moves by about 0.025 between
     python benchmark/async_speedup.py --task smollm2 --scripts online_dpo_vllm --total-episodes 320 --learning-rate 3e-6
     python benchmark/async_speedup.py --task smollm2 --scripts ppo_vllm bok_vllm grpo_vllm --total-episodes 320 --seeds 1 2
 
-Any other argument is passed to every run (for example --learning-rate 1e-4).
+Any other argument is passed to every run (for example --learning-rate 1e-4). With --keep DIR each run's
+metrics.jsonl, trace.json and command (command.json) stay in DIR/<script>/<sync|async>/<run name>/, for
+benchmark/plot.py (the README's figure: benchmark/results/readme_async_math.txt says how).
 """
 
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -47,7 +50,7 @@ SMOLLM2 = ["--sft-model-path", "assets/smollm2/model", "--dataset-name", "assets
            "--num-eval-prompts", "96", "--eval-every", "5"]
 
 
-def run(script, mode_arguments, total_episodes, extra, output_dir):
+def run(script, mode_arguments, total_episodes, extra, output_dir, keep=None):
     if script.startswith("ppo") and "--k" in extra:  # PPO samples one response per prompt: it has no --k
         i = extra.index("--k")
         extra = extra[:i] + extra[i + 2:]
@@ -57,6 +60,13 @@ def run(script, mode_arguments, total_episodes, extra, output_dir):
     subprocess.run(command, cwd=ROOT, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     process_seconds = time.time() - started
     (run_name,) = os.listdir(output_dir)
+    if keep:  # the small files benchmark/plot.py reads, and the command that made them (no checkpoints)
+        kept = os.path.join(keep, run_name)
+        os.makedirs(kept, exist_ok=True)
+        for name in ("metrics.jsonl", "trace.json"):
+            shutil.copy(os.path.join(output_dir, run_name, name), kept)
+        with open(os.path.join(kept, "command.json"), "w") as f:
+            json.dump(["python", *command[1:]], f)
     with open(os.path.join(output_dir, run_name, "metrics.jsonl")) as f:
         rows = [json.loads(line) for line in f]
     updates, last = rows[1:], rows[-1]
@@ -101,6 +111,9 @@ def main():
     parser.add_argument("--async-total-episodes", type=int, default=0,
                         help="episodes of the asynchronous runs, if more (to time them to the sync run's final accuracy)")
     parser.add_argument("--seeds", type=int, nargs="+", default=[1], help="seeds of each mode; the tables average them")
+    parser.add_argument("--keep", default="",
+                        help="a directory to keep each run's metrics.jsonl, trace.json and command in, as "
+                             "KEEP/<script>/<sync|async>/<run name>/ (benchmark/plot.py's input)")
     parser.add_argument("--task", choices=["tiny", "math", "smollm2"], default="tiny",
                         help="tiny: the TL;DR miniature (reward models); math: assets/tiny_math with the rule reward; "
                              "smollm2: SmolLM2-135M-Instruct on one-digit sums (assets/make_smollm2.py)")
@@ -120,8 +133,9 @@ def main():
                 for seed in options.seeds:
                     print(f"running {script} {name} seed {seed} ...", flush=True)
                     episodes = options.async_total_episodes if name == "async" else 0
+                    keep = options.keep and os.path.join(options.keep, script, name)
                     runs.append(run(script, [*mode, "--seed", str(seed)], episodes or options.total_episodes, extra,
-                                    os.path.join(tmp, script, f"{name}-{seed}")))
+                                    os.path.join(tmp, script, f"{name}-{seed}"), keep))
                 results[name] = mean_of(runs)
                 if len(runs) > 1:
                     print(f"{name} final scores by seed: " + ", ".join(f"{r['proxy score']:.3f}" for r in runs))

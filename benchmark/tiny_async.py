@@ -15,7 +15,8 @@ of win rate against K and against KL, beside benchmark/tiny_offpolicy.py's N-min
     python benchmark/tiny_async.py --variants online_dpo rloo+IS --k 0 8
     python benchmark/tiny_async.py --variants tba --k 0 2 8 --add-to-csv     # TBA beside the others
 
-Results go to benchmark/results/ (tiny_async.csv, tiny_async.png) unless --out says otherwise.
+Results go to benchmark/results/ (tiny_async.csv; the figure tiny_async.png, drawn by benchmark/plot.py from the CSV,
+its command and points in tiny_async_plot.txt) unless --out says otherwise.
 """
 
 import argparse
@@ -44,6 +45,7 @@ VARIANTS = {
     "tba": ("tba_vllm.py", []),  # trajectory balance needs no correction: the buffer's older responses are its input
 }
 
+K_LABEL = "K (policy versions between generation and training; 0 is --sync)"
 
 def read_rows(path):
     """The rows of a CSV this benchmark wrote, with their types back (to add seeds or variants to it)."""
@@ -107,8 +109,7 @@ def main():
                   f"{row['gold_score']:.3f}, KL {row['kl']:.2f} ({row['seconds']:.0f} s)", flush=True)
     rows.sort(key=lambda row: (row["seed"], list(VARIANTS).index(row["algorithm"]), row["k"]))
     write_rows(csv_path, rows)
-    plot(rows, os.path.join(options.out, "tiny_async.png"), knob="k",
-         knob_label="K (policy versions between generation and training; 0 is --sync)")
+    plot(csv_path, knob="k", knob_label=K_LABEL)
 
     seeds = sorted({row["seed"] for row in rows})
     print(f"\nmean gold win rate (KL) over seeds {seeds}, {time.time() - started:.0f} s in all")
@@ -120,7 +121,7 @@ def main():
             cells.append(f"{sum(r['win_rate'] for r in mine) / len(mine):.3f} ({sum(r['kl'] for r in mine) / len(mine):.1f})"
                          if mine else "")
         print(f"{variant:>11}" + "".join(f"{c:>16}" for c in cells))
-    print(f"wrote {options.out}/tiny_async.csv and tiny_async.png")
+    print(f"wrote {options.out}/tiny_async.csv, tiny_async.png and tiny_async_plot.txt")
 
 
 if __name__ == "__main__":

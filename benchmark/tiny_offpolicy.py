@@ -10,7 +10,8 @@ plot of win rate against N and against KL.
     python benchmark/tiny_offpolicy.py                         # 4 algorithms x 5 N x 2 seeds, about 30 min on 2 cores
     python benchmark/tiny_offpolicy.py --seeds 1 --algorithms online_dpo ppo --n 1 16
 
-Results go to benchmark/results/ (tiny_offpolicy.csv, tiny_offpolicy.png) unless --out says otherwise.
+Results go to benchmark/results/ (tiny_offpolicy.csv; the figure tiny_offpolicy.png, drawn by benchmark/plot.py from
+the CSV, its command and points in tiny_offpolicy_plot.txt) unless --out says otherwise.
 """
 
 import argparse
@@ -49,33 +50,16 @@ def train_and_evaluate_command(command, seed, options, out):
     return {k: metrics[k] for k in ("win_rate", "gold_score", "kl", "perplexity", "response_length")}
 
 
-def plot(rows, path, knob="n", knob_label="N (mini-batches per generation batch; more is more off-policy)"):
-    """Win rate against the off-policy knob (mean line, seeds as dots) and against KL."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (by_n, by_kl) = plt.subplots(1, 2, figsize=(11, 4.2))
-    for algorithm in dict.fromkeys(row["algorithm"] for row in rows):
-        mine = [row for row in rows if row["algorithm"] == algorithm]
-        ns = sorted({row[knob] for row in mine})
-        means = [sum(r["win_rate"] for r in mine if r[knob] == n) / len([r for r in mine if r[knob] == n]) for n in ns]
-        line, = by_n.plot(ns, means, marker="o", label=algorithm)
-        by_n.scatter([r[knob] for r in mine], [r["win_rate"] for r in mine], color=line.get_color(), alpha=0.35, s=12)
-        by_kl.scatter([r["kl"] for r in mine], [r["win_rate"] for r in mine], color=line.get_color(), label=algorithm,
-                      s=[18 + 10 * (r[knob] + 1).bit_length() for r in mine], alpha=0.7)
-    ticks = sorted({row[knob] for row in rows})
-    by_n.set(xscale="symlog" if 0 in ticks else "log", xlabel=knob_label, ylabel="gold win rate vs references",
-             title="Win rate against off-policyness")
-    by_n.set_xticks(ticks, labels=[str(t) for t in ticks])
-    by_kl.set(xlabel="KL to the SFT model (nats, on the policy's samples)", ylabel="gold win rate vs references",
-              title=f"Win rate against KL (marker size grows with {knob_label.split()[0]})")
-    for axis in (by_n, by_kl):
-        axis.grid(alpha=0.3)
-        axis.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+def plot(csv_path, knob="n", knob_label="N (mini-batches per generation batch; more is more off-policy)"):
+    """The figure beside the CSV (<name>.png): each algorithm's gold win rate against the off-policy knob and against
+    KL, the mean over seeds with their range, drawn by benchmark/plot.py, whose command and points go to
+    <name>_plot.txt."""
+    base = os.path.splitext(csv_path)[0]
+    command = [os.path.relpath(csv_path, ROOT), "--by", "algorithm", "--x", knob, "kl", "--metric", "win_rate",
+               "--symlog-x", "--xlabel", knob_label, "KL to the SFT model (nats, on the policy samples)",
+               "--ylabel", "gold win rate vs references", "--out", os.path.relpath(base + ".png", ROOT)]
+    with open(base + "_plot.txt", "w") as f:
+        subprocess.run([sys.executable, "benchmark/plot.py", *command], cwd=ROOT, stdout=f, check=True)
 
 
 def main():
@@ -105,7 +89,7 @@ def main():
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))
         writer.writeheader()
         writer.writerows(rows)
-    plot(rows, os.path.join(options.out, "tiny_offpolicy.png"))
+    plot(os.path.join(options.out, "tiny_offpolicy.csv"))
 
     print(f"\nmean gold win rate (KL) over {options.seeds} seed(s), {time.time() - started:.0f} s in all")
     print(f"{'':>11}" + "".join(f"{'N=' + str(n):>16}" for n in options.n))
@@ -115,7 +99,7 @@ def main():
             mine = [r for r in rows if r["algorithm"] == algorithm and r["n"] == n]
             cells.append(f"{sum(r['win_rate'] for r in mine) / len(mine):.3f} ({sum(r['kl'] for r in mine) / len(mine):.1f})")
         print(f"{algorithm:>11}" + "".join(f"{c:>16}" for c in cells))
-    print(f"wrote {options.out}/tiny_offpolicy.csv and tiny_offpolicy.png")
+    print(f"wrote {options.out}/tiny_offpolicy.csv, tiny_offpolicy.png and tiny_offpolicy_plot.txt")
 
 
 if __name__ == "__main__":
