@@ -8,6 +8,7 @@ import glob
 import importlib.util
 import json
 import os
+import re
 import shlex
 import statistics
 
@@ -185,3 +186,16 @@ def test_where_an_updates_time_goes_from_a_trace(tmp_path):
     assert load_plot().phase_seconds(str(tmp_path / "trace.json")) == {
         ("learner", "take the batch"): 2.0, ("learner", "train"): 7.0, ("learner", "other"): 0.5,
         ("generator", "generate a batch"): 6.5, ("generator", "load a version"): 0.5, ("generator", "idle"): 2.5}
+
+
+def test_every_figure_of_the_readme_and_docs_is_tested_here():
+    """A picture added to README.md or docs/ without its table in FIGURES would go unchecked."""
+    shown = set()
+    for path in [os.path.join(ROOT, "README.md"), *glob.glob(os.path.join(ROOT, "docs", "*.md"))]:
+        shown |= {os.path.basename(name) for name in re.findall(r"!\[[^]]*\]\(([^)]+\.png)\)", open(path).read())}
+    made = set()
+    for name in FIGURES:
+        with open(os.path.join(STORED, name)) as f:
+            made.add(os.path.basename(option(shlex.split(f.readline().removeprefix("# python benchmark/plot.py ")),
+                                             "--out")[0]))
+    assert shown == made, (shown, made)
