@@ -9,7 +9,8 @@ it, in the weights' precision) and of the float32 log-probability tensors comput
 same before and after).
 
 Measured: one training step's forward and backward pass of the policy (the scripts' loss shape: the mean of the
-response's log-probabilities at temperature 0.7) and one scoring pass without gradients, each as before and as now:
+response's log-probabilities at temperature 0.7; the logits held for the entropy after it, as the scripts hold them)
+and one scoring pass without gradients, each as before and as now:
 - on a GPU: Pythia-410M, 1B and 2.8B of those shapes with random weights in bf16, the peak of allocated memory above
   the weights and their gradients (torch.cuda.max_memory_allocated);
 - on a CPU: SmolLM2-135M-Instruct (assets/smollm2) in float32 at its workload (32 sequences: 8 prompts of its chat
@@ -36,25 +37,24 @@ PYTHIA = {"Pythia-410M": (24, 1024, 4096, 16), "Pythia-1B": (16, 2048, 8192, 8),
 VOCAB, SEQUENCES, PROMPT, RESPONSE, TEMPERATURE, GB = 50304, 16, 512, 53, 0.7, 1e9
 
 
-def logprobs_before(model, query_responses, pad, context_length):
-    """The computation the scripts made before: the head on every position, the response's logits sliced from them,
-    a full log-softmax."""
-    logits = rloo.forward(model, query_responses, pad).logits[:, context_length - 1: -1].float() / TEMPERATURE
-    tokens = query_responses[:, context_length:].clamp(max=logits.shape[-1] - 1)
-    return torch.log_softmax(logits, -1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
-
-
-def logprobs_now(model, query_responses, pad, context_length):
-    logits = rloo.response_logits(model, query_responses, pad, context_length)
-    return rloo.response_logprobs(logits, query_responses[:, context_length:], TEMPERATURE)
-
-
 def run_pass(model, query_responses, pad, context_length, now, train):
-    compute = logprobs_now if now else logprobs_before
+    """A pass as the scripts' training step makes it (the logits held through the backward pass, for the entropy
+    computed after it) or, without `train`, as their scoring passes make it: as now (response_logits, a gather minus
+    a logsumexp), or as before (the head on every position, the response's logits sliced from them, a full
+    log-softmax)."""
+    responses = query_responses[:, context_length:]
     with torch.set_grad_enabled(train):
-        logprobs = compute(model, query_responses, pad, context_length)
+        if now:
+            logits = rloo.response_logits(model, query_responses, pad, context_length)
+            logprobs = rloo.response_logprobs(logits, responses, TEMPERATURE)
+        else:
+            logits = rloo.forward(model, query_responses, pad).logits
+            response = logits[:, context_length - 1: -1].float() / TEMPERATURE
+            logprobs = torch.log_softmax(response, -1).gather(-1, responses.unsqueeze(-1)).squeeze(-1)
         if train:
             (-logprobs.mean()).backward()
+            with torch.no_grad():
+                rloo.entropy_from_logits((logits if now else logits[:, context_length - 1: -1]) / TEMPERATURE)
 
 
 def computed(sequences, length, response, vocab, weight_bytes):
