@@ -120,8 +120,10 @@ class RunLog:
     def write_own_trace(self):
         """trace.json from rank 0's timeline alone, at the exit of a run that ended before close() (an error, a signal):
         the other ranks may be gone or stuck, so theirs are not gathered."""
-        if os.path.isdir(os.path.dirname(self.trace)):
+        try:  # (best effort: the error that ended the run, a full disk say, has had its one line)
             write_trace(self.trace, [list(timeline.EVENTS)])
+        except OSError:
+            pass
 
 
 def throughputs(metrics, batch_size, world_size):

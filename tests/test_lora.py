@@ -264,7 +264,9 @@ def test_every_script_trains_an_adapter_alone_from_the_reference(tmp_path, scrip
                         *(["--vllm-enforce-eager", "--check-weights-every", "1", "--sync"] if vllm else []))
     rows = read_metrics(run_dir_of(tmp_path))
     assert [row["update"] for row in rows] == [0, 1, 2]
-    assert rows[1].get("objective/kl", rows[1].get("pairs/kl")) == 0.0
+    # 0 but for float rounding where the KL is taken in training (TBA): the training micro-batch is not the scoring
+    # pass's, and the head's matmul, on the response's positions alone, may round by the batch's size
+    assert abs(rows[1].get("objective/kl", rows[1].get("pairs/kl"))) < 1e-6
     assert rows[2].get("objective/kl", rows[2].get("pairs/kl")) != 0.0
     if vllm:
         assert "its LoRA adapter" in result.stdout and rows[1]["async/mismatch_kl"] < 1e-6

@@ -293,7 +293,8 @@ def test_a_full_disk_while_saving_fails_in_one_line_and_keeps_the_last_checkpoin
     errors = re.findall(r"error: .*", stderr)  # after the progress bar, on its line
     assert process.returncode == 1 and len(errors) == 1, stderr[-3000:]
     assert errors[0].startswith(f"error: could not write {run_dir}/checkpoint-4 (") and "MiB free on its disk" in errors[0]
-    assert kept == ["checkpoint-2", "metrics.jsonl"] and update == 2 and batches == []  # --sync: none ahead
+    # (trace.json: the run's timeline, written as it ends in the error; --sync: no batch ahead)
+    assert kept == ["checkpoint-2", "metrics.jsonl", "trace.json"] and update == 2 and batches == []
     # On-policy (--sync) in float32, vLLM's and the learner's log-probabilities agree: the weights are 1.
     assert [row["async/off_policy_steps"] for row in rows[1:]] == [0, 0, 0, 0]
     assert all(row["async/mismatch_kl"] < 1e-5 and row["async/is_ess"] > 1 - 1e-5 for row in rows[1:])
