@@ -2,7 +2,7 @@
 that generates each batch with the policy version the script's schedule names, while the learner trains; after each
 update the weights handed to vLLM (weight_handoff.py) and, when --check-weights-every says, checked there; the batches
 generated but not yet trained on kept in checkpoints, so a resumed run is exact. Nothing here changes what is learned:
-the script passes its schedule (generating_version: the paper's K), its sampling request (vllm_generate) and its
+the script passes its schedule (generating_version: the paper's K), its sampling request (sampling_params) and its
 choice of each batch's prompts (batch_prompts)."""
 
 import atexit
@@ -27,8 +27,8 @@ from transformers import AutoTokenizer
 import timeline
 from checkpoints import latest_checkpoint, resume_hint, resumed_update
 from data import load_tokenizer, stop_token_id
-from vllm_engine import (add_adapter, engine_dead, engine_exit, in_memory_backend, load_into_vllm, parameter_bytes,
-                         pin_vllm_to_its_cores, shut_down, start_vllm, swap_adapter, vllm_gpu, wait_for)
+from vllm_engine import (add_adapter, engine_dead, engine_exit, generate_batch, in_memory_backend, load_into_vllm,
+                         parameter_bytes, pin_vllm_to_its_cores, shut_down, start_vllm, swap_adapter, vllm_gpu, wait_for)
 from weight_handoff import (VllmClient, WeightsDiffer, check_vllm_weights, digests_to_check, expected_weights, is_lora,
                             save_for_vllm, send_weights, vllm_digests, weight_transfer, weights_root)
 
@@ -47,7 +47,7 @@ class AsyncGeneration:
     keeps two runs of one name (a sweep) apart. With LoRA (a peft policy) vLLM starts from the base model and each
     version is only the adapter's directory, which vLLM adds as an adapter of its own while it drops the one before
     (vllm_engine.swap_adapter); the base weights are never reloaded. `sample` is the script's sampling request
-    (vllm_generate). The weight check compares the log-probabilities of the first train prompts (the probe)."""
+    (sampling_params). The weight check compares the log-probabilities of the first train prompts (the probe)."""
 
     def __init__(self, args, policy, run_dir, train_prompts, schedule, sample, choose_prompts, prefill=0):
         start_update = resumed_update(args)
@@ -240,13 +240,13 @@ class GenerationThread:
     generator waits, see wait_for_receiver()) and takes the batches, in order, with get(). Every wait is bounded by
     --generation-timeout; a generator error or vLLM's engine dying is raised in the learner."""
 
-    def __init__(self, args, llm, vllm_generate, schedule, choose_prompts, *, weights_dir, train_prompts,
+    def __init__(self, args, llm, sample, schedule, choose_prompts, *, weights_dir, train_prompts,
                  prompts_per_rank, k, stop_id, first_version, off_policy_steps, probe, in_memory, adapter=None,
                  resumed_batches=(), prefill=0):
         self.args, self.llm, self.weights_dir, self.stop_id, self.probe = args, llm, weights_dir, stop_id, probe
         self.adapter = adapter  # with LoRA: the LoRARequest of the version vLLM generates with
         # the script's sampling request, schedule and choice of prompts
-        self.vllm_generate, self.schedule, self.choose_prompts = vllm_generate, schedule, choose_prompts
+        self.sample, self.schedule, self.choose_prompts = sample, schedule, choose_prompts
         self.in_memory = in_memory
         self.train_prompts, self.prompts_per_rank, self.k = train_prompts, prompts_per_rank, k
         self.first_version, self.off_policy_steps = first_version, off_policy_steps
@@ -347,10 +347,10 @@ class GenerationThread:
                     raise ValueError(f"choose_prompts gave {[len(indices) for indices in chosen]} prompts to the "
                                      f"{world_size} rank(s), not {self.prompts_per_rank} each")
                 prompts = [self.train_prompts[i] for indices in chosen for i in indices]
-                # Request i gets this seed + i: seeds never repeat across batches (vllm_generate() says why).
+                # Request n gets this seed + n: seeds never repeat across batches (sampling_params() says why).
                 seed = args.seed * 2**32 + (self.prefill + update) * args.batch_size
-                responses, logprobs = self.vllm_generate(self.llm, prompts, self.k, args.response_length, self.stop_id,
-                                                         args.temperature, seed=seed, adapter=self.adapter)
+                responses, logprobs = zip(*generate_batch(self.llm, prompts, self.k, lambda n: self.sample(
+                    args.response_length, self.stop_id, args.temperature, seed + n), self.adapter))
                 timeline.record("generate a batch", t1, time.time(), update=update, version=loaded)
                 # vLLM returns sample j of prompt p at j * len(prompts) + p, and rank r's prompt i is p =
                 # r * prompts_per_rank + i: regroup per rank, sample-major like the synchronous scripts' batches.

@@ -305,7 +305,7 @@ def main(args):
     # Updates 1 - prefill to 0 only fill the buffer (--buffer-prefill), with the SFT policy's responses to the first
     # prefill batches of prompts; update u trains after batch prefill + u.
     prefill = -(-args.buffer_prefill // args.batch_size)
-    generation = AsyncGeneration(args, policy, run_dir, train_prompts, schedule=generating_version, sample=vllm_generate,
+    generation = AsyncGeneration(args, policy, run_dir, train_prompts, schedule=generating_version, sample=sampling_params,
                                  choose_prompts=batch_prompts, prefill=prefill)
 
     run_log = RunLog(args, run_dir, run_name, start_update, episode)  # metrics.jsonl, wandb, the console
@@ -601,23 +601,17 @@ def masked_mean(values, mask):
     return (values * mask).sum() / mask.sum().clamp(min=1)
 
 
-def vllm_generate(llm, prompts, k, response_length, stop_token_id, temperature, seed, adapter=None):
-    """k responses to each prompt (sample j of prompt i at j * len(prompts) + i) and the log-probability of each token
-    under the weights that sampled it (the behaviour policy), at the sampling temperature. Request i gets seed + i, so a
-    batch depends on the weights and seed only, not on what vLLM generated before (which keeps reruns and resumed runs
-    exact). Temperature 0 is greedy. As in generate(), only the stop token ends a response (and is kept). With LoRA,
-    `adapter` is the LoRARequest of the policy's adapter."""
+def sampling_params(response_length, stop_token_id, temperature, seed):
+    """vLLM's request for one response: `response_length` tokens at `temperature` (0: greedy) and the log-probability
+    of each token under the weights that sampled it (the behaviour policy), at that temperature. As in generate(), only
+    the stop token ends a response (and is kept). The generator gives each request a seed of its own, never repeated in
+    a run, so that a batch depends on the weights and seeds only, not on what vLLM generated before (which keeps reruns
+    and resumed runs exact)."""
     from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
 
-    requests = [TokensPrompt(prompt_token_ids=prompt) for _ in range(k) for prompt in prompts]
-    sampling = [SamplingParams(temperature=temperature, top_k=0, top_p=1.0, max_tokens=response_length,
-                               ignore_eos=True, stop_token_ids=[stop_token_id], seed=seed + i, logprobs=0,
-                               detokenize=False)  # token ids are all we use: no text decoded in this process
-                for i in range(len(requests))]
-    outputs = [output.outputs[0] for output in llm.generate(requests, sampling, lora_request=adapter, use_tqdm=False)]
-    return ([list(out.token_ids) for out in outputs],
-            [[step[token].logprob for token, step in zip(out.token_ids, out.logprobs)] for out in outputs])
+    return SamplingParams(temperature=temperature, top_k=0, top_p=1.0, max_tokens=response_length, ignore_eos=True,
+                          stop_token_ids=[stop_token_id], seed=seed, logprobs=0,
+                          detokenize=False)  # token ids are all we use: no text decoded in this process
 
 
 def batch_prompts(args, num_prompts, prompts_per_rank, batch):

@@ -3,7 +3,7 @@ release, --vllm-gpu, --weight-sync), where it runs (which GPU, or which CPU core
 weights are replaced from a save_pretrained directory, bounded waits on it, and its shutdown. What here changes what
 is learned: the log-probabilities vLLM returns with each sample (the behaviour policy's, in every *_vllm.py) are those
 of the distribution it sampled from, after the temperature (logprobs_mode); the sampling request itself is the
-script's (vllm_generate)."""
+script's (sampling_params)."""
 
 import collections
 import contextlib
@@ -431,6 +431,23 @@ def load_into_vllm(llm, weights_path):
     empty the prefix cache: keyed by token ids, not weights, it would serve keys and values of the old weights."""
     llm.collective_rpc("reload_weights", kwargs={"weights_path": weights_path})
     llm.reset_prefix_cache()
+
+
+def generate_batch(llm, prompts, k, sampling, adapter=None):
+    """k responses to each prompt, sample j of prompt i at j * len(prompts) + i, as token ids with each token's
+    log-probability (as vLLM reports it); request n is sampled as sampling(n) says (the script's sampling_params with
+    the request's seed). With LoRA, `adapter` is the LoRARequest of the policy's adapter."""
+    from vllm.inputs import TokensPrompt
+
+    requests = [TokensPrompt(prompt_token_ids=prompt) for _ in range(k) for prompt in prompts]
+    outputs = llm.generate(requests, [sampling(n) for n in range(len(requests))], lora_request=adapter, use_tqdm=False)
+    return [sampled_tokens(output.outputs[0]) for output in outputs]
+
+
+def sampled_tokens(completion):
+    """A vLLM CompletionOutput's token ids and the log-probability of each."""
+    return (list(completion.token_ids),
+            [step[token].logprob for token, step in zip(completion.token_ids, completion.logprobs)])
 
 
 def in_thread(function, *args):

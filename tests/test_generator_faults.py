@@ -19,7 +19,7 @@ def failed_generation(tmp_path, in_memory):
     args.num_updates = 10
     engine = types.SimpleNamespace(llm_engine=types.SimpleNamespace(engine_core=types.SimpleNamespace(
         resources=types.SimpleNamespace(engine_dead=False))))
-    thread = generator.GenerationThread(args, engine, online_dpo_vllm.vllm_generate, online_dpo_vllm.generating_version,
+    thread = generator.GenerationThread(args, engine, online_dpo_vllm.sampling_params, online_dpo_vllm.generating_version,
                                         online_dpo_vllm.batch_prompts,
                                         weights_dir=str(tmp_path / "weights"), train_prompts=[[1]], prompts_per_rank=1,
                                         k=2, stop_id=0, first_version=0, off_policy_steps=1, probe=None,

@@ -23,7 +23,7 @@ from conftest import (ALGORITHM_BANNER, ALGORITHMS, MODULES, ROOT, SCRIPTS, SHIP
 # The RLHF details the loop computes with: the same source in every shipped script that has them.
 DETAILS = {"generate", "truncate_response", "forward", "response_logits", "response_logprobs", "entropy_from_logits",
            "reward_scores", "last_number_reward", "RULE_REWARDS", "score_responses", "apply_missing_eos_penalty",
-           "masked_mean", "vllm_generate", "batch_prompts"}
+           "masked_mean", "sampling_params", "batch_prompts"}
 # Arguments whose name papers gave several meanings: DPO's beta and loss types, GRPO's KL weight and objectives, TBA's
 # target temperature.
 OWN_MEANING = {"beta", "loss_type"}
@@ -53,7 +53,7 @@ def test_the_machinery_is_defined_once():
 
 @pytest.mark.parametrize("script", ALGORITHMS)
 def test_every_algorithm_script_holds_the_rlhf_details(script):
-    expected = DETAILS - (set() if script.endswith("_vllm.py") else {"vllm_generate", "batch_prompts"})
+    expected = DETAILS - (set() if script.endswith("_vllm.py") else {"sampling_params", "batch_prompts"})
     missing = expected - definitions(script).keys()
     assert not missing, f"{script} lacks {sorted(missing)}"
 

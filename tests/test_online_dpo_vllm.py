@@ -66,8 +66,15 @@ def _greedy_hf(model, prompts, tokenizer, length):
     return _truncated(script.generate(model, data.left_pad(prompts, pad, "cpu"), pad, eos, length), tokenizer)
 
 
+def _vllm_generate(llm, prompts, k, length, stop_id, temperature, seed):
+    """The generator's batch: k samples of each prompt (request n seeded seed + n), their tokens and log-probabilities."""
+    sampled = vllm_engine.generate_batch(llm, prompts, k, lambda n: script.sampling_params(length, stop_id, temperature,
+                                                                                            seed + n))
+    return [list(tokens) for tokens, _ in sampled], [list(logprobs) for _, logprobs in sampled]
+
+
 def _greedy_vllm(llm, prompts, tokenizer, length):
-    responses = script.vllm_generate(llm, prompts, 1, length, tokenizer.eos_token_id, temperature=0, seed=0)[0]
+    responses = _vllm_generate(llm, prompts, 1, length, tokenizer.eos_token_id, temperature=0, seed=0)[0]
     return _truncated(data.right_pad(responses, tokenizer.pad_token_id, "cpu"), tokenizer)
 
 
@@ -120,10 +127,10 @@ def test_after_a_weight_push_vllm_greedy_equals_hf_greedy(tmp_path, monkeypatch,
     llm = vllm_engine.start_vllm(args, str(tmp_path / "v0"), weight_transfer=True)
     try:
         if kind == "gpt_neox":  # the same seed gives the same batch whatever vLLM ran before; another seed another
-            first = script.vllm_generate(llm, prompts, 2, 12, tokenizer.eos_token_id, temperature=0.7, seed=5)
-            script.vllm_generate(llm, prompts, 4, 12, tokenizer.eos_token_id, temperature=0.7, seed=9)
-            assert first == script.vllm_generate(llm, prompts, 2, 12, tokenizer.eos_token_id, temperature=0.7, seed=5)
-            assert first != script.vllm_generate(llm, prompts, 2, 12, tokenizer.eos_token_id, temperature=0.7, seed=6)
+            first = _vllm_generate(llm, prompts, 2, 12, tokenizer.eos_token_id, temperature=0.7, seed=5)
+            _vllm_generate(llm, prompts, 4, 12, tokenizer.eos_token_id, temperature=0.7, seed=9)
+            assert first == _vllm_generate(llm, prompts, 2, 12, tokenizer.eos_token_id, temperature=0.7, seed=5)
+            assert first != _vllm_generate(llm, prompts, 2, 12, tokenizer.eos_token_id, temperature=0.7, seed=6)
             assert len(first[0]) == 6 and first[0][0] != first[0][3]  # two different samples of the first prompt
         before = _greedy_vllm(llm, prompts, tokenizer, 12)
         assert before == _greedy_hf(model, prompts, tokenizer, 12)
@@ -134,7 +141,7 @@ def test_after_a_weight_push_vllm_greedy_equals_hf_greedy(tmp_path, monkeypatch,
         transfer.finish()  # the generator's part: vLLM's worker has loaded the weights, the update is finished
         after = _greedy_vllm(llm, prompts, tokenizer, 12)
         after_logprobs = _logprobs_vllm(llm, prompts, 4)
-        sampled, behaviour_logprobs = script.vllm_generate(llm, prompts, 2, 12, tokenizer.eos_token_id,
+        sampled, behaviour_logprobs = _vllm_generate(llm, prompts, 2, 12, tokenizer.eos_token_id,
                                                            temperature=0.7, seed=3)
         assert after == _greedy_hf(model, prompts, tokenizer, 12)
         # Through a directory: the fallback, and the way the first version reaches vLLM in every run.

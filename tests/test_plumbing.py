@@ -695,7 +695,7 @@ def test_the_generator_waits_for_new_weights_without_a_deadline():
     longer than --generation-timeout: it waits until the version comes or the learner stops, not until a deadline."""
     args = online_dpo_vllm.Args(sync=True, generation_timeout=0.2, bf16=False, num_updates=3)
     kept = generator.GeneratedBatch(0, [[0]], [[]], [[]], 0, 0.0, 0.0)  # update 1's batch, from a checkpoint
-    thread = generator.GenerationThread(args, None, online_dpo_vllm.vllm_generate, online_dpo_vllm.generating_version,
+    thread = generator.GenerationThread(args, None, online_dpo_vllm.sampling_params, online_dpo_vllm.generating_version,
                                         online_dpo_vllm.batch_prompts,
                                         weights_dir="unused", train_prompts=[[1]], prompts_per_rank=1, k=2, stop_id=0,
                                         first_version=0, off_policy_steps=0, probe=None, in_memory=False,
