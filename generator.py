@@ -28,9 +28,10 @@ import timeline
 from checkpoints import latest_checkpoint, resume_hint, resumed_update
 from data import load_tokenizer, stop_token_id
 from vllm_engine import (add_adapter, engine_dead, engine_exit, generate_batch, in_memory_backend, load_into_vllm,
-                         parameter_bytes, pin_vllm_to_its_cores, shut_down, start_vllm, swap_adapter, vllm_gpu, wait_for)
+                         parameter_bytes, pin_vllm_to_its_cores, sampled_tokens, shut_down, start_vllm, swap_adapter,
+                         vllm_gpu, wait_for)
 from weight_handoff import (VllmClient, WeightsDiffer, check_vllm_weights, digests_to_check, expected_weights, is_lora,
-                            save_for_vllm, send_weights, vllm_digests, weight_transfer, weights_root)
+                            probe_sampling, save_for_vllm, send_weights, vllm_digests, weight_transfer, weights_root)
 
 
 class AsyncGeneration:
@@ -62,6 +63,7 @@ class AsyncGeneration:
         # prefill + u's.
         self.update = start_update - (0 if args.resume else prefill)
         self.rank, self.thread, self.run_dir = dist.get_rank(), None, run_dir
+        self.streaming = args.generation == "streaming"
         self.in_memory = args.weight_sync == "memory"
         if self.in_memory:  # rank 0 (vLLM's) decides: CUDA IPC leaks with several training ranks
             shared = vllm_gpu(args)[1] if self.rank == 0 and torch.cuda.is_available() else None
@@ -98,11 +100,12 @@ class AsyncGeneration:
             print(f"the policy goes to vLLM after each update {'in memory' if self.in_memory else 'as files'}: "
                   f"{'its LoRA adapter, ' if lora else ''}{version_bytes / 2**20:.1f} MiB", flush=True)
             resumed = load_generated_batches(latest_checkpoint(args.resume)) if args.resume else []
-            self.thread = GenerationThread(args, llm, sample, schedule, choose_prompts, weights_dir=self.weights_dir,
-                                           train_prompts=train_prompts, prompts_per_rank=args.local_batch_size // k,
-                                           k=k, stop_id=stop_id, first_version=start_update,
-                                           off_policy_steps=off_policy_steps, probe=probe, in_memory=self.in_memory,
-                                           adapter=adapter, resumed_batches=resumed, prefill=prefill)
+            streaming = {"resumed_stream": load_stream_state(latest_checkpoint(args.resume)) if args.resume else None}
+            self.thread = (StreamingThread if self.streaming else GenerationThread)(
+                args, llm, sample, schedule, choose_prompts, weights_dir=self.weights_dir, train_prompts=train_prompts,
+                prompts_per_rank=args.local_batch_size // k, k=k, stop_id=stop_id, first_version=start_update,
+                off_policy_steps=off_policy_steps, probe=probe, in_memory=self.in_memory, adapter=adapter,
+                resumed_batches=resumed, prefill=prefill, **(streaming if self.streaming else {}))
             atexit.register(self.thread.close)  # on every way out: the end, an error, Ctrl-C, SIGTERM
         # The weight check (--check-weights-every): vLLM's log-probabilities of the probe against the learner's, and the
         # digests of the tensors vLLM keeps as the learner does (found now: on a GPU every one, the fused q/k/v and
@@ -147,7 +150,9 @@ class AsyncGeneration:
         is due (the first hand-off, then every --check-weights-every), the generator then checks vLLM's weights.
         Returns the seconds waited for the generator to finish older policies' batches."""
         args = self.args
-        if self.schedule(args.num_updates, self.first_version, self.off_policy_steps) < update:
+        last = args.num_updates - 1 if self.streaming else self.schedule(args.num_updates, self.first_version,
+                                                                         self.off_policy_steps)
+        if last < update:
             return 0.0
         check = args.check_weights_every and (update == self.first_version + 1 or update % args.check_weights_every == 0)
         expected = expected_weights(policy, self.probe, self.checked_names, self.pad_id, policy.device) if check else None
@@ -178,7 +183,10 @@ class AsyncGeneration:
 
     def checkpoint_files(self, update):
         """What a checkpoint at `update` keeps: the batches already generated for the next K updates (by policies
-        older than its own), which a resumed run trains on as this one will, so that it resumes exactly."""
+        older than its own), which a resumed run trains on as this one will, so that it resumes exactly; streaming,
+        the prompts drawn but not trained on (StreamingThread.state())."""
+        if self.streaming:
+            return {STREAM_STATE: self.thread.state() if self.rank == 0 else None}
         try:
             with timeline.span("wait for the batches ahead", update=update):
                 ahead = self.thread.peek(min(self.off_policy_steps, self.args.num_updates - update)) \
@@ -215,9 +223,27 @@ class GeneratedBatch(NamedTuple):
     seed: int
     generation_time: float
     load_time: float
+    token_versions: list = None  # each token's policy version, as responses (streaming: vLLM's spans, checked)
+    stream: dict = None  # streaming: vLLM's mean requests in flight, prompts generated again, since the last batch
+
+    def stream_metrics(self, update):
+        """A streaming batch's versions for the update that trains on it (every rank's tokens: the same on every rank):
+        its tokens' staleness (versions behind the policy trained), the share of responses holding more than one
+        version, vLLM's mean requests in flight and the prompts generated again since the last batch. Batch mode:
+        none (every token is the batch's version: async/off_policy_steps)."""
+        if self.stream is None:
+            return {}
+        responses = [response for rank in self.token_versions for response in rank]
+        staleness = torch.tensor([update - 1 - v for response in responses for v in response], dtype=torch.float64)
+        return {"async/token_staleness_mean": staleness.mean().item(),
+                "async/token_staleness_max": staleness.max().item(),
+                "async/token_staleness_min": staleness.min().item(),
+                "async/mixed_version_responses": sum(len(set(r)) > 1 for r in responses) / len(responses),
+                "async/vllm_in_flight": self.stream["in_flight"],
+                "async/regenerated_prompts": self.stream["regenerated"]}
 
 
-GENERATED_BATCHES = "generated_batches.json"
+GENERATED_BATCHES, STREAM_STATE = "generated_batches.json", "stream.json"
 
 
 def load_generated_batches(checkpoint):
@@ -227,10 +253,22 @@ def load_generated_batches(checkpoint):
         return []
     with open(path) as f:
         batches = json.load(f)
-    if any(set(batch) != set(GeneratedBatch._fields) for batch in batches):
+    if any(set(GeneratedBatch._fields[:7]) - set(batch) for batch in batches):
         sys.exit(f"error: {path} holds batches in an older format (without their prompts): resume it with the "
                  "code that wrote it")
+    for batch in batches:  # (written before batches had their tokens' versions: every token is the batch's)
+        batch.setdefault("token_versions", [[[batch["version"]] * len(response) for response in rank]
+                                            for rank in batch["responses"]])
     return [GeneratedBatch(**batch) for batch in batches]
+
+
+def load_stream_state(checkpoint):
+    """What a streaming run's checkpoint kept of its generator (StreamingThread.state()), or None."""
+    path = os.path.join(checkpoint, STREAM_STATE)
+    if dist.get_rank() != 0 or not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
 
 
 class GenerationThread:
@@ -359,9 +397,215 @@ class GenerationThread:
                 self.batches.put(GeneratedBatch(loaded, [list(indices) for indices in chosen],
                                                 [[responses[n] for n in rank] for rank in order],
                                                 [[logprobs[n] for n in rank] for rank in order], seed,
-                                                time.time() - t1, t1 - t0))
+                                                time.time() - t1, t1 - t0,
+                                                [[[loaded] * len(responses[n]) for n in rank] for rank in order]))
         except BaseException as error:  # handed to the learner, which raises it
             self.error = error
+
+
+class StreamingThread(GenerationThread):
+    """--generation streaming: vLLM's engine never waits for a batch to end. Prompts, in the order the script chooses
+    them, enter as requests finish (at most --max-in-flight requests at once); a batch is the first prompts_per_rank x
+    ranks prompts whose k responses have all finished, not the first submitted. Each version the learner hands over is
+    loaded between two decoding steps: the engine pauses with its requests kept, loads it, and computes the keys and
+    values of every request in flight again under it (kept, they would be the old version's, and a token sampled on
+    them neither version's), then goes on. So a response may hold tokens of several versions, each token's
+    log-probability that of the version that sampled it, which vLLM reports for each span of tokens (checked here
+    against the versions loaded). Staleness is bounded per token: no token is trained on by a policy more than K
+    (--off-policy-steps) versions newer than the one that sampled it. vLLM starts no prompt whose tokens could not meet
+    that, and a finished prompt one of whose tokens misses it is generated again (counted in the batch's stream stats).
+    vLLM's scheduling depends on timing, so a streaming run is not reproducible token for token; a checkpoint keeps the
+    prompts drawn but not yet trained on, which a resumed run generates first (none lost, none twice)."""
+
+    def __init__(self, *args, resumed_stream=None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.wanted = queue.Queue()  # versions the learner wants to send in memory (wait_for_receiver())
+        self.lock = threading.Lock()  # guards what a checkpoint keeps (state())
+        state = resumed_stream or {"next_batch": self.prefill + self.first_update, "untrained": [], "requests": 0}
+        self.next_batch, self.next_in_batch = state["next_batch"], 0  # where the prompts' order goes on
+        # {group: prompt index} drawn, not yet trained on (a group: one prompt's k responses); a resumed run's first
+        self.untrained = {-1 - i: prompt for i, prompt in enumerate(state["untrained"])}
+        self.again = collections.deque(self.untrained)  # groups to generate (again)
+        self.groups, self.requests = 0, state["requests"]  # numbering groups, and requests (their seeds)
+        self.running, self.samples, self.done = {}, {}, []  # {group: responses left}, {group: [sample j's]}, finished
+
+    def wait_for_receiver(self, version):
+        """Ask the generator to pause vLLM between two decoding steps for version `version`, and wait until it has:
+        then the learner may send the weights in memory."""
+        self.wanted.put(version)
+        super().wait_for_receiver(version)
+
+    def get(self):
+        batch = super().get()
+        with self.lock:  # trained on from now: a checkpoint no longer keeps them
+            for group in batch.stream["groups"]:
+                del self.untrained[group]
+        return batch
+
+    def state(self):
+        """What a checkpoint keeps: where the prompts' order goes on (the next whole batch of it: a resumed run draws
+        no prompt twice), the prompts drawn but not yet trained on (vLLM's in flight and finished ones, generated again
+        on resume), and the requests' count, which numbers their seeds."""
+        with self.lock:
+            return {"next_batch": self.next_batch + (self.next_in_batch > 0), "untrained": list(self.untrained.values()),
+                    "requests": self.requests}
+
+    def _submit(self):
+        """Start the next group: one to generate again, else the next prompt in the script's order. Request n of the
+        run (resumed runs go on counting) has seed + n, past every seed of batch mode's."""
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        args = self.args
+        with self.lock:
+            if self.again:
+                group = self.again.popleft()
+            else:
+                chosen = [i for indices in self.choose_prompts(args, len(self.train_prompts), self.prompts_per_rank,
+                                                               self.next_batch) for i in indices]
+                group, self.groups = self.groups, self.groups + 1
+                self.untrained[group] = chosen[self.next_in_batch]
+                self.next_in_batch = (self.next_in_batch + 1) % len(chosen)
+                self.next_batch += self.next_in_batch == 0
+            first, self.requests = self.requests, self.requests + self.k
+        for j in range(self.k):
+            sampling = self.sample(args.response_length, self.stop_id, args.temperature,
+                                   args.seed * 2**32 + 2**31 + first + j)
+            sampling.output_kind = RequestOutputKind.FINAL_ONLY
+            self.llm.llm_engine.add_request(f"{group}/{j}", TokensPrompt(
+                prompt_token_ids=self.train_prompts[self.untrained[group]]), sampling)
+        self.running[group], self.samples[group] = self.k, [None] * self.k
+
+    def _step(self, loaded, probe=None):
+        """One decoding step of vLLM; the responses it finished go to their groups, a group whose k have finished to
+        the finished ones, the probe's outputs (the weight check's requests) into `probe`."""
+        for output in self.llm.llm_engine.step():
+            if not output.finished:
+                continue
+            if output.request_id.startswith("probe"):
+                probe[int(output.request_id.split("/")[1])] = output
+                continue
+            group, j = map(int, output.request_id.split("/"))
+            tokens, logprobs = sampled_tokens(output.outputs[0])
+            self.samples[group][j] = (tokens, logprobs, token_versions(output.outputs[0], len(tokens), loaded))
+            self.running[group] -= 1
+            if not self.running[group]:
+                del self.running[group]
+                self.done.append(group)
+
+    def _load(self, version, weights_path, finish, expected):
+        """Version `version` into vLLM between two decoding steps: paused with its requests kept, the weights loaded,
+        the requests in flight computed again under them, vLLM told the version (it reports it with the tokens sampled
+        from now on), resumed; with `expected` (a WeightCheck), the probe then generated and checked."""
+        from vllm.inputs import TokensPrompt
+
+        engine = self.llm.llm_engine
+        engine.engine_core.call_utility("pause_scheduler", "keep", False)
+        if not self.wanted.empty():  # in memory: the learner sends while vLLM is paused
+            self.receivers.put(self.wanted.get())
+        if version is None:
+            version, weights_path, finish, expected = self._take(self.versions, "waiting for new weights",
+                                                                 check=lambda: None, timeout=math.inf)
+        with timeline.span("load a version", version=version):
+            if weights_path is not None:
+                load_into_vllm(self.llm, weights_path)
+                shutil.rmtree(weights_path, ignore_errors=True)
+            if finish is not None:
+                finish()
+            if not engine.reset_prefix_cache(reset_running_requests=True):
+                raise RuntimeError("vLLM could not compute its requests in flight again under the new weights")
+            engine.set_weight_version(str(version))
+        engine.engine_core.call_utility("resume_scheduler")
+        if expected is not None:  # the probe's requests join the stream; no version loads before they end
+            with timeline.span("check the weights", version=version):
+                for i, prompt in enumerate(self.probe):
+                    engine.add_request(f"probe/{i}", TokensPrompt(prompt_token_ids=prompt), probe_sampling())
+                probe = {}
+                while len(probe) < len(self.probe):
+                    self._step(version, probe)
+                check_vllm_weights(self.llm, version, self.probe, expected, self.args.bf16,
+                                   probe_outputs=[probe[i] for i in range(len(self.probe))])
+        return version
+
+    def _run(self):
+        args = self.args
+        per_batch = args.world_size * self.prompts_per_rank  # groups a batch takes
+        loaded, update = self.first_version, self.first_update  # the version vLLM holds, the next batch's update
+        busy_since, generating, loading, steps, in_flight, regenerated = time.time(), 0.0, 0.0, 0, 0, 0
+        try:
+            pin_vllm_to_its_cores(args)
+            self.llm.llm_engine.set_weight_version(str(loaded))
+            while not self.stopping.is_set():
+                if not self.versions.empty() or not self.wanted.empty():  # a version handed over
+                    start = time.time()
+                    generating += start - busy_since
+                    if self.running:
+                        timeline.record("generate", busy_since, start, update=update, version=loaded)
+                    loaded = self._load(*(self.versions.get() if self.wanted.empty() else (None,) * 4))
+                    busy_since = time.time()
+                    loading += busy_since - start
+                if update > args.num_updates and self.running:  # the last batch is out: the rest is not needed
+                    self.llm.llm_engine.abort_request([f"{group}/{j}" for group in self.running for j in range(self.k)])
+                    self.running.clear()
+                # New prompts while their tokens can be trained on: version `loaded`'s may go into the batches of
+                # updates up to loaded + 1 + K.
+                last = min(loaded + 1 + self.off_policy_steps, args.num_updates)
+                room = (last + 1 - update) * per_batch - len(self.running) - len(self.done)
+                while room > 0 and (len(self.running) + 1) * self.k <= (args.max_in_flight or args.batch_size):
+                    self._submit()
+                    room -= 1
+                if not self.running:  # nothing to generate until a newer version comes (or the run ends)
+                    with timeline.span("wait for a version", version=loaded + 1):
+                        while self.versions.empty() and self.wanted.empty() and not self.stopping.is_set():
+                            time.sleep(0.01)
+                    busy_since = time.time()
+                    continue
+                in_flight += self.llm.llm_engine.get_num_unfinished_requests()
+                steps += 1
+                self._step(loaded)
+                # A group with a token older than the next batch's update allows: its prompt is generated again.
+                oldest = update - 1 - self.off_policy_steps
+                for group in [group for group in self.done if min(min(s[2]) for s in self.samples[group]) < oldest]:
+                    self.done.remove(group)
+                    del self.samples[group]
+                    self.again.append(group)
+                    regenerated += 1
+                if len(self.done) >= per_batch:  # the next batch: the first groups finished
+                    now = time.time()
+                    timeline.record("generate", busy_since, now, update=update, version=loaded)
+                    taken, self.done = self.done[:per_batch], self.done[per_batch:]
+                    self.batches.put(self._batch(taken, generating + now - busy_since, loading, {
+                        "groups": taken, "in_flight": in_flight / steps, "regenerated": regenerated}))
+                    update, busy_since, generating, loading, steps, in_flight, regenerated = \
+                        update + 1, now, 0.0, 0.0, 0, 0, 0
+        except BaseException as error:  # handed to the learner, which raises it
+            self.error = error
+
+    def _batch(self, groups, generating, loading, stats):
+        """A GeneratedBatch of finished groups, rank r taking groups r * prompts_per_rank to (r + 1) * prompts_per_rank,
+        sample-major like batch mode's; its version is the oldest of its tokens'."""
+        ranks = [groups[r * self.prompts_per_rank: (r + 1) * self.prompts_per_rank] for r in range(self.args.world_size)]
+        responses, logprobs, versions = ([[self.samples[group][j][n] for j in range(self.k) for group in rank]
+                                          for rank in ranks] for n in range(3))
+        with self.lock:
+            prompts = [[self.untrained[group] for group in rank] for rank in ranks]
+        for group in groups:
+            del self.samples[group]
+        return GeneratedBatch(min(v for rank in versions for response in rank for v in response), prompts, responses,
+                              logprobs, None, generating, loading, versions, stats)
+
+
+def token_versions(completion, length, loaded):
+    """The policy version of each of a finished response's `length` tokens, from vLLM's spans (weight_versions); every
+    span's version must be one vLLM has loaded by now (`loaded`, or an older one)."""
+    versions = []
+    for span in completion.weight_versions or []:
+        if not span.version.isdigit() or int(span.version) > loaded:
+            raise RuntimeError(f"vLLM reports tokens of policy version {span.version!r}, which it was never given")
+        versions += [int(span.version)] * (span.end - span.start)
+    if len(versions) != length:
+        raise RuntimeError(f"vLLM's version spans cover {len(versions)} of a response's {length} tokens")
+    return versions
 
 
 def exit_on_signals():

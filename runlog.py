@@ -195,7 +195,7 @@ def write_trace(path, ranks):
     os.replace(path + ".tmp", path)
 
 
-VLLM_WORK = ("generate a batch", "load a version", "check the weights")  # the generator thread's busy phases
+VLLM_WORK = ("generate a batch", "generate", "load a version", "check the weights")  # the generator thread's busy phases
 
 
 def time_shares(metrics, events, start, end):

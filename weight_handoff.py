@@ -382,10 +382,21 @@ def expected_weights(policy, probe, names, pad_token_id, device):
                        base_logprobs)
 
 
-def check_vllm_weights(llm, version, probe, expected, bf16, adapter=None):
+def probe_sampling():
+    """vLLM's request for the weight check: the probe's prompt log-probabilities (temperature 1), one token greedily."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    return SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0, detokenize=False,
+                          output_kind=RequestOutputKind.FINAL_ONLY)
+
+
+def check_vllm_weights(llm, version, probe, expected, bf16, adapter=None, probe_outputs=None):
     """Raise WeightsDiffer (the run stops) unless vLLM holds policy version `version`: its prompt log-probabilities of
     the probe (temperature 1) within PROBE_TOLERANCE of the learner's, every expected digest equal. With LoRA,
-    version's `adapter` must be loaded in vLLM, the probe runs with it, and its file holds the learner's adapter."""
+    version's `adapter` must be loaded in vLLM, the probe runs with it, and its file holds the learner's adapter.
+    `probe_outputs`: vLLM's outputs of the probe's requests (probe_sampling()) where the caller generated them (the
+    streaming generator, amid its requests in flight), else generated here."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -395,8 +406,8 @@ def check_vllm_weights(llm, version, probe, expected, bf16, adapter=None):
                             f"generates with {adapter.lora_name}'s, and holds adapters "
                             f"{sorted(llm.llm_engine.list_loras())} (--check-weights-every)")
     if adapter is None:
-        sampling = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0, detokenize=False)
-        outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in probe], sampling, use_tqdm=False)
+        outputs = probe_outputs or llm.generate([TokensPrompt(prompt_token_ids=p) for p in probe], probe_sampling(),
+                                                use_tqdm=False)
         vllm_logprobs = [[step[token].logprob for token, step in zip(p[1:], out.prompt_logprobs[1:])]
                          for p, out in zip(probe, outputs)]
     else:  # vLLM's prompt log-probabilities are wrong under an adapter (vLLM #29955, #51594): a request per prefix

@@ -29,6 +29,7 @@ def failed_generation(tmp_path, in_memory):
     generation.args, generation.rank, generation.thread, generation.run_dir = args, 0, thread, str(tmp_path)
     generation.update, generation.first_version, generation.off_policy_steps = 3, 0, 1
     generation.schedule, generation.in_memory, generation.transfer = online_dpo_vllm.generating_version, in_memory, None
+    generation.streaming = False
     return generation
 
 
