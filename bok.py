@@ -293,6 +293,9 @@ def main(args):
             "logps/chosen": step_means["logps"],
             "val/num_eos_tokens": (responses == stop_id).sum().item() * args.world_size,
             "val/response_length": (~padding_mask).sum(1).float().mean().item(),
+            # The response tokens the loss took (every process's): each prompt's best, if it has one (runlog's trained
+            # tokens; a prompt without one is masked out of the loss).
+            "val/trained_tokens": (~padding_mask[best[has_best]]).sum().item() * args.world_size,
             "time/generation": t1 - t0,
             "time/scoring": t2 - t1,
             "time/training": t3 - t2,

@@ -349,6 +349,9 @@ def main(args):
             "logps/chosen": step_means["logps"],
             "val/num_eos_tokens": (responses == stop_id).sum().item() * args.world_size,
             "val/response_length": (~padding_mask).sum(1).float().mean().item(),
+            # The response tokens the loss took (every process's): each prompt's best, if it has one (runlog's trained
+            # tokens; a prompt without one is masked out of the loss).
+            "val/trained_tokens": (~padding_mask[best[has_best]]).sum().item() * args.world_size,
             "async/off_policy_steps": update - 1 - batch.version,
             **batch.stream_metrics(update),  # (streaming: the versions of its tokens)
             "async/mismatch_kl": mismatch_kl(logprobs, behaviour_logprobs, ~padding_mask),

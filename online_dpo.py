@@ -311,6 +311,9 @@ def main(args):
             "rewards/accuracies": step_means["accuracy"],
             "val/num_eos_tokens": (responses == stop_id).sum().item() * args.world_size,
             "val/response_length": (~padding_mask).sum(1).float().mean().item(),
+            # The response tokens the loss took (every process's): the pairs, not the k responses sampled. A pair of
+            # equal scores is one response twice, counted twice, as the forward takes it (runlog's trained tokens).
+            "val/trained_tokens": (~padding_mask[torch.cat([chosen, rejected])]).sum().item() * args.world_size,
             "time/generation": t1 - t0,
             "time/scoring": t2 - t1,
             "time/training": t3 - t2,

@@ -371,6 +371,9 @@ def main(args):
             "rewards/accuracies": step_means["accuracy"],
             "val/num_eos_tokens": (responses == stop_id).sum().item() * args.world_size,
             "val/response_length": (~padding_mask).sum(1).float().mean().item(),
+            # The response tokens the loss took (every process's): the pairs, not the k responses sampled. A pair of
+            # equal scores is one response twice, counted twice, as the forward takes it (runlog's trained tokens).
+            "val/trained_tokens": (~padding_mask[torch.cat([chosen, rejected])]).sum().item() * args.world_size,
             "async/off_policy_steps": update - 1 - batch.version,
             **batch.stream_metrics(update),  # (streaming: the versions of its tokens)
             "async/mismatch_kl": mismatch_kl(torch.cat([lp for _, lp in sampled]), behaviour_logprobs[sampled_idx],

@@ -130,7 +130,9 @@ def throughputs(metrics, batch_size, world_size):
     """An update's speed in tokens per second, from what every script logs: the batch's response tokens (`batch_size`
     responses of val/response_length on average) over the seconds generating them (in a *_vllm.py vLLM's one engine
     generates the whole batch; in the others each of the `world_size` processes its share), and each learner
-    process's share over its time/training. Prompt tokens are not counted (no script logs their number)."""
+    process's share of the tokens its loss took over its time/training: val/trained_tokens where the script logs it
+    (online DPO's pairs, best-of-k's best, TBA's draw from its buffer), else the batch's. Prompt tokens are not counted
+    (no script logs their number)."""
     if "val/response_length" not in metrics:  # an evaluation's row
         return {}
     tokens = batch_size * metrics["val/response_length"]
@@ -139,7 +141,8 @@ def throughputs(metrics, batch_size, world_size):
     if generating > 0:
         speeds["time/generated_tokens_per_second"] = tokens / generating
     if metrics.get("time/training", 0) > 0:
-        speeds["time/trained_tokens_per_second"] = tokens / world_size / metrics["time/training"]
+        trained = metrics.get("val/trained_tokens", tokens)
+        speeds["time/trained_tokens_per_second"] = trained / world_size / metrics["time/training"]
     return speeds
 
 

@@ -368,6 +368,9 @@ def main(args):
             "buffer/prompts": len(buffer.responses),
             "val/num_eos_tokens": (responses == stop_id).sum().item() * args.world_size,
             "val/response_length": (responses != pad).sum(1).float().mean().item(),
+            # The response tokens the loss took (every process's): the groups drawn from the buffer, a response drawn
+            # twice counted twice; not the batch just generated (runlog's trained tokens).
+            "val/trained_tokens": (~train_padding).sum().item() * args.world_size,
             "time/generation": t1 - t0,
             "time/scoring": t2 - t1,
             "time/training": t3 - t2,

@@ -426,6 +426,9 @@ def main(args):
             "buffer/prompts": len(buffer.responses),
             "val/num_eos_tokens": (responses == stop_id).sum().item() * args.world_size,
             "val/response_length": (responses != pad).sum(1).float().mean().item(),
+            # The response tokens the loss took (every process's): the groups drawn from the buffer, a response drawn
+            # twice counted twice; not the batch just generated (runlog's trained tokens).
+            "val/trained_tokens": (~train_padding).sum().item() * args.world_size,
             "async/off_policy_steps": update - 1 - batch.version,
             **batch.stream_metrics(update),  # (streaming: the versions of its tokens)
             "async/mismatch_kl": mismatch,

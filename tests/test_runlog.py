@@ -116,6 +116,8 @@ def test_an_updates_tokens_per_second_from_its_metrics():
     assert runlog.throughputs(hf, 64, 1) == {"time/generated_tokens_per_second": 1600.0,
                                              "time/trained_tokens_per_second": 400.0}
     assert runlog.throughputs({"eval/scores": 0.5, "time/training": 1.0}, 64, 1) == {}
+    # online DPO's pairs: 300 of the 800 tokens entered the loss (val/trained_tokens), each process's 150 in 2 s
+    assert runlog.throughputs({**hf, "val/trained_tokens": 300.0}, 64, 2)["time/trained_tokens_per_second"] == 75.0
 
 
 def fake_run_log(tmp_path, monkeypatch, track=False, batch_size=64):
