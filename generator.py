@@ -421,8 +421,9 @@ class StreamingThread(GenerationThread):
         super().__init__(*args, **kwargs)
         self.wanted = queue.Queue()  # versions the learner wants to send in memory (wait_for_receiver())
         self.lock = threading.Lock()  # guards what a checkpoint keeps (state())
-        state = resumed_stream or {"next_batch": self.prefill + self.first_update, "untrained": [], "requests": 0}
-        self.next_batch, self.next_in_batch = state["next_batch"], 0  # where the prompts' order goes on
+        state = resumed_stream or {"next_batch": self.prefill + self.first_update, "next_in_batch": 0,
+                                   "untrained": [], "requests": 0}
+        self.next_batch, self.next_in_batch = state["next_batch"], state["next_in_batch"]  # the prompts' order's place
         # {group: prompt index} drawn, not yet trained on (a group: one prompt's k responses); a resumed run's first
         self.untrained = {-1 - i: prompt for i, prompt in enumerate(state["untrained"])}
         self.again = collections.deque(self.untrained)  # groups to generate (again)
@@ -443,12 +444,11 @@ class StreamingThread(GenerationThread):
         return batch
 
     def state(self):
-        """What a checkpoint keeps: where the prompts' order goes on (the next whole batch of it: a resumed run draws
-        no prompt twice), the prompts drawn but not yet trained on (vLLM's in flight and finished ones, generated again
-        on resume), and the requests' count, which numbers their seeds."""
+        """What a checkpoint keeps: where the prompts' order goes on, the prompts drawn but not yet trained on (vLLM's
+        in flight and finished ones, generated again on resume), and the requests' count, which numbers their seeds."""
         with self.lock:
-            return {"next_batch": self.next_batch + (self.next_in_batch > 0), "untrained": list(self.untrained.values()),
-                    "requests": self.requests}
+            return {"next_batch": self.next_batch, "next_in_batch": self.next_in_batch,
+                    "untrained": list(self.untrained.values()), "requests": self.requests}
 
     def _submit(self):
         """Start the next group: one to generate again, else the next prompt in the script's order. Request n of the

@@ -122,7 +122,8 @@ def check_vllm_arguments(args):
         fail("generation", "streaming generation does not take a LoRA policy yet (vLLM cannot change the adapter of a "
                            "request in flight): use --generation batch")
     if args.max_in_flight is not None and args.max_in_flight < getattr(args, "k", 1):
-        fail("max_in_flight", f"must hold one prompt's {getattr(args, 'k', 1)} responses, got {args.max_in_flight}")
+        fail("max_in_flight", f"must be at least k = {getattr(args, 'k', 1)} (one prompt's responses), got "
+                              f"{args.max_in_flight}")
     if args.vllm_gpu_memory_utilization is not None and not 0 < args.vllm_gpu_memory_utilization <= 1:
         fail("vllm_gpu_memory_utilization", f"must be in (0, 1], got {args.vllm_gpu_memory_utilization}")
     if not torch.cuda.is_available() and not 1 <= args.vllm_cpu_cores < len(os.sched_getaffinity(0)):

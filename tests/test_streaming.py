@@ -5,7 +5,7 @@ import os
 
 import pytest
 import torch
-from conftest import TINY
+from conftest import TINY, read_metrics, run_dir_of, run_script
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import generator
@@ -44,8 +44,8 @@ def _learner_logprobs(model, prompt, tokens):
     return torch.log_softmax(logits, -1).gather(1, torch.tensor(tokens)[:, None])[:, 0]
 
 
-@pytest.mark.parametrize("reported", ["as loaded", "the old version"])
-@pytest.mark.parametrize("model", ["tiny", "smollm2"])
+@pytest.mark.parametrize("model, reported", [("tiny", "as loaded"), ("tiny", "the old version"),
+                                             ("smollm2", "as loaded")])
 def test_each_tokens_log_probability_is_that_of_the_version_vllm_reports_for_it(tmp_path, request, model, reported):
     """Four prompts x 2 responses of 24 tokens, two versions loaded mid-flight (after 4 and 10 decoding steps) by the
     streaming generator's own load: every response holds tokens of 3 versions, and each token's vLLM log-probability
@@ -92,3 +92,72 @@ def test_each_tokens_log_probability_is_that_of_the_version_vllm_reports_for_it(
         assert differences.mean() <= weight_handoff.PROBE_TOLERANCE[False] and differences.max() <= 0.02, differences
     else:
         assert differences.max() > 0.02 and differences.mean() > weight_handoff.PROBE_TOLERANCE[False]
+
+
+def test_a_resumed_stream_trains_every_prompt_it_drew_once(tmp_path):
+    """The streaming generator stopped after two batches of 4 prompts (its requests in flight dropped, as a killed run's
+    are) and a second one resumed from its state() for four more: every prompt drawn from the script's order is trained
+    on once, or is still drawn and untrained at the end, on its way to a batch; none is lost, none trained twice. A
+    generator stopped in the middle of a batch of the order goes on from the next prompt."""
+    args = rloo_vllm.Args(bf16=False, response_length=8, batch_size=8, vllm_enforce_eager=True, max_prompt_length=8,
+                          seed=2, generation_timeout=120)
+    args.world_size, args.num_updates, args.resume = 1, 6, None
+    prompts = [[5, 6 + i, 7] for i in range(12)]  # 12 prompts: batches of 4 go through them in shuffled epochs
+    common = dict(weights_dir=str(tmp_path), train_prompts=prompts, prompts_per_rank=4, k=2, stop_id=3, probe=None,
+                  in_memory=False, off_policy_steps=10)  # (K = 10: no batch waits for a version)
+    llm = vllm_engine.start_vllm(args, os.path.join(TINY, "sft"))
+    trained = []
+    try:
+        first = generator.StreamingThread(args, llm, rloo_vllm.sampling_params, rloo_vllm.generating_version,
+                                          rloo_vllm.batch_prompts, first_version=0, **common)
+        first.start()
+        trained += [i for _ in range(2) for i in first.get().prompts[0]]
+        first.stopping.set()
+        first.thread.join(timeout=30)
+        state = first.state()
+        llm.llm_engine.abort_request([f"{g}/{j}" for g in first.running for j in range(2)])
+        assert state["untrained"], state  # it had drawn more prompts than it trained on
+        args.resume = "a checkpoint"
+        second = generator.StreamingThread(args, llm, rloo_vllm.sampling_params, rloo_vllm.generating_version,
+                                           rloo_vllm.batch_prompts, first_version=2, resumed_stream=state, **common)
+        second.start()
+        trained += [i for _ in range(4) for i in second.get().prompts[0]]
+        second.stopping.set()
+        second.thread.join(timeout=30)
+        end = second.state()
+        # Every prompt drawn and not trained on is on its way: to be generated, in flight, finished or in a batch.
+        queued = {group for batch in second.batches.queue for group in batch.stream["groups"]}
+        assert set(second.untrained) == set(second.again) | set(second.running) | set(second.done) | queued
+        llm.llm_engine.abort_request([f"{g}/{j}" for g in second.running for j in range(2)])
+        # Stopped in the middle of a batch of the order (5 prompts drawn), a resumed generator draws the 6th next.
+        third = generator.StreamingThread(args, llm, rloo_vllm.sampling_params, rloo_vllm.generating_version,
+                                          rloo_vllm.batch_prompts, first_version=0, **common)
+        for _ in range(5):
+            third._submit()
+        llm.llm_engine.abort_request([f"{g}/{j}" for g in third.running for j in range(2)])
+        fourth = generator.StreamingThread(args, llm, rloo_vllm.sampling_params, rloo_vllm.generating_version,
+                                           rloo_vllm.batch_prompts, first_version=0, resumed_stream=third.state(),
+                                           **common)
+        for _ in range(6):
+            fourth._submit()
+        llm.llm_engine.abort_request([f"{g}/{j}" for g in fourth.running for j in range(2)])
+    finally:
+        vllm_engine.shut_down(llm)
+    order = [i for batch in range(1, end["next_batch"] + 1)
+             for i in rloo_vllm.batch_prompts(args, len(prompts), 4, batch)[0]]
+    drawn = order[:(end["next_batch"] - 1) * 4 + end["next_in_batch"]]
+    assert len(trained) == 24 and sorted(trained + end["untrained"]) == sorted(drawn)
+    assert [fourth.untrained[g] for g in fourth.running] == order[:5] + [order[5]]  # the 5 again, then the next
+
+
+def test_tba_streams_its_prefill_and_its_batches_and_logs_their_versions(tmp_path):
+    """tba_vllm.py, the script whose generator runs furthest ahead (--buffer-prefill: batches before update 1), in
+    streaming mode with the weights in memory: three updates, each batch's tokens at most K = 1 versions behind, the
+    first one's all the SFT policy's."""
+    run_script("tba_vllm.py", "--generation", "streaming", "--weight-sync", "memory", "--buffer-prefill", "64",
+               "--total-episodes", "192", "--eval-every", "0", "--vllm-enforce-eager", "--output-dir", str(tmp_path))
+    rows = read_metrics(run_dir_of(tmp_path))
+    assert [row["update"] for row in rows] == [0, 1, 2, 3]
+    assert rows[1]["async/token_staleness_max"] == 0 and rows[1]["buffer/staleness_max"] == 0
+    assert all(0 <= row["async/token_staleness_min"] <= row["async/token_staleness_max"] <= 1 for row in rows[1:])
+    assert all(0 <= row["async/mixed_version_responses"] <= 1 and row["async/vllm_in_flight"] > 0 for row in rows[1:])
