@@ -1,9 +1,11 @@
 """The asynchrony of the *_vllm.py scripts as one object, AsyncGeneration: vLLM on rank 0, fed by a background thread
 that generates each batch with the policy version the script's schedule names, while the learner trains; after each
 update the weights handed to vLLM (weight_handoff.py) and, when --check-weights-every says, checked there; the batches
-generated but not yet trained on kept in checkpoints, so a resumed run is exact. Nothing here changes what is learned:
-the script passes its schedule (generating_version: the paper's K), its sampling request (sampling_params) and its
-choice of each batch's prompts (batch_prompts)."""
+generated but not yet trained on kept in checkpoints, so a resumed run is exact. With --generation streaming
+(StreamingThread) vLLM generates without batch boundaries, loads each version while responses are in flight and
+reports each token's version; K then bounds every token's staleness. Nothing here changes what is learned: the script
+passes its schedule (generating_version: the paper's K), its sampling request (sampling_params) and its choice of each
+batch's prompts (batch_prompts)."""
 
 import atexit
 import collections
