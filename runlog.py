@@ -10,11 +10,13 @@ import sys
 import time
 from dataclasses import asdict
 
+import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
 import timeline
 from checkpoints import latest_checkpoint
+from vllm_engine import vllm_gpu
 
 
 def run_directory(args):
@@ -33,6 +35,9 @@ class RunLog:
     def __init__(self, args, run_dir, run_name, start_update, episode):
         self.writer, self.track = dist.get_rank() == 0, args.track
         self.batch_size, self.world_size = args.batch_size, dist.get_world_size()
+        # the run's GPUs, for its per-GPU rates: vLLM's placement is rank 0's to know, and only rank 0 writes
+        on_cuda = torch.cuda.is_available() and self.writer
+        self.gpus = run_gpus(self.world_size, on_cuda, vllm_gpu(args) if on_cuda and hasattr(args, "vllm_gpu") else None)
         self.staleness = {}  # {off-policy steps: batches trained so far}, for wandb's histogram
         self.trace = os.path.join(run_dir, "trace.json")
         self.first, self.warned = None, set()  # the first update's metrics; the signs of a collapse said
@@ -76,6 +81,7 @@ class RunLog:
             metrics = {**metrics, **time_shares(metrics, timeline.EVENTS, self.last_log or min(phases.values()), now)}
             self.last_log = now
         metrics = {**metrics, **throughputs(metrics, self.batch_size, self.world_size)}
+        metrics = {**metrics, **per_gpu_throughputs(metrics, self.batch_size, self.gpus)}
         if "policy/entropy_avg" in metrics:  # an update's metrics, not only an evaluation's
             self.first = self.first or (update, metrics)
             for kind, message in collapse_signs(update, metrics, *self.first):
@@ -146,6 +152,27 @@ def throughputs(metrics, batch_size, world_size):
     return speeds
 
 
+def run_gpus(world_size, on_cuda, vllm_placement=None):
+    """The GPUs a run uses: one for each learner process, and vLLM's where it has one of its own (`vllm_placement`,
+    vllm_engine.vllm_gpu's (its GPU, the training GPU it shares or None), in a *_vllm.py); 0 on a CPU."""
+    if not on_cuda:
+        return 0
+    return world_size + (vllm_placement is not None and vllm_placement[1] is None)
+
+
+def per_gpu_throughputs(metrics, batch_size, gpus):
+    """An update's tokens per second per GPU of the run, as peers report throughput (verl's perf/throughput): the
+    batch's response tokens, generated and trained (val/trained_tokens where logged), over the update's wall-clock
+    seconds (time/update) times the run's `gpus`, each GPU counted busy or idle. Unlike throughputs()' rates, which
+    time a process's own generating or training, this one falls when a GPU waits. None on a CPU (`gpus` 0)."""
+    if not gpus or "val/response_length" not in metrics or metrics.get("time/update", 0) <= 0:
+        return {}
+    generated = batch_size * metrics["val/response_length"]
+    gpu_seconds = metrics["time/update"] * gpus
+    return {"time/generated_tokens_per_second_per_gpu": generated / gpu_seconds,
+            "time/trained_tokens_per_second_per_gpu": metrics.get("val/trained_tokens", generated) / gpu_seconds}
+
+
 def staleness_histogram(counts):
     """(batches, bin edges) for wandb.Histogram of {off-policy steps: batches}: one bin for each whole number of steps
     from 0 to the most seen, centred on it."""
@@ -198,7 +225,7 @@ def write_trace(path, ranks):
     os.replace(path + ".tmp", path)
 
 
-VLLM_WORK = ("generate a batch", "generate", "load a version", "check the weights")  # the generator thread's busy phases
+VLLM_WORK = ("generate a batch", "load a version", "check the weights")  # the generator thread's busy phases
 
 
 def time_shares(metrics, events, start, end):

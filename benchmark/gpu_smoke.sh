@@ -36,8 +36,8 @@
 # 3b (1 GPU, vLLM): evaluate.py with vLLM, several checkpoints reloaded into one engine scoring as a fresh engine
 #         does: on stage 3a's run in DIR, or (DIR without it) on a run of online_dpo.py made here with HF generation.
 # 4a-4c (1 GPU, vLLM): rloo_vllm and ppo_vllm (4a), bok_vllm and grpo_vllm (4b), tba_vllm (4c): off-policy steps
-#         0,1,1,1. 4d: rloo_vllm and ppo_vllm with a LoRA adapter: vLLM's LoRA kernels in bf16, the adapter alone
-#         handed off and checked.
+#         0,1,1,1, the per-GPU rates over the 1 GPU the run counts (runlog.run_gpus). 4d: rloo_vllm and ppo_vllm
+#         with a LoRA adapter: vLLM's LoRA kernels in bf16, the adapter alone handed off and checked.
 # 5a (1 GPU, vLLM): rloo_vllm --sync in bf16 with async/mismatch_kl under 1e-2 at every update; on a real model
 #         (SmolLM2, tied embeddings) in float32, under 1e-5. 5b: rloo_vllm resumed within 1e-3.
 # 6 (2 GPUs, no vLLM): rloo.py and ppo.py under ZeRO-3 (collectives on NCCL, parameters gathered per module);
@@ -45,11 +45,11 @@
 #         rank); ppo.py with LoRA under ZeRO-3 (the adapters alone gathered); the mechanism behind stage 7b's files:
 #         CUDA-IPC-exported buffers no process imports stay allocated.
 # 7a (2 GPUs, vLLM): rloo_vllm.py with one training rank and vLLM on GPU 1 (the NCCL hand-off; the same scores
-#         through files). 7b: deepspeed --num_gpus 2 rloo_vllm.py with vLLM sharing GPU 0: through files (CUDA IPC
-#         would strand a buffer on rank 1 at every update), said in one line, rank 1's GPU memory flat from update 3
-#         to 48.
+#         through files; the per-GPU rates over 2 GPUs, vLLM's own counted). 7b: deepspeed --num_gpus 2
+#         rloo_vllm.py with vLLM sharing GPU 0: through files (CUDA IPC would strand a buffer on rank 1 at every
+#         update), said in one line, rank 1's GPU memory flat from update 3 to 48; the per-GPU rates over 2 GPUs.
 # 8 (3 GPUs, vLLM): deepspeed --num_gpus 2 online_dpo_vllm.py with ZeRO-3: vLLM on GPU 2 (as the run reports it),
-#         K = 2 off-policy steps, weights gathered and handed over every update by NCCL.
+#         K = 2 off-policy steps, weights gathered and handed over every update by NCCL; the per-GPU rates over 3 GPUs.
 set -uo pipefail
 export VLLM_LOGGING_LEVEL=INFO  # the weight-transfer checks read vLLM's INFO lines (the scripts show warnings only)
 cd "$(dirname "$0")/.."
@@ -98,6 +98,18 @@ import glob, json, sys
 rows = [json.loads(line) for line in open(glob.glob(f"{sys.argv[1]}/*__*/metrics.jsonl")[0])][1:]
 print("async/mismatch_kl at every update:", [f"{r['async/mismatch_kl']:.1e}" for r in rows])
 sys.exit(not rows or max(r["async/mismatch_kl"] for r in rows) > float(sys.argv[2]))
+EOF
+}
+per_gpu_ok() {  # per_gpu_ok <run output dir> <GPUs>: each update's per-GPU rate is its batch's tokens over its
+  # time/update times the GPUs the run counted (runlog.run_gpus: a learner process each, vLLM's if it has its own)
+  "$PYTHON" - "$@" <<'EOF'
+import glob, json, sys
+rows = [json.loads(line) for line in open(glob.glob(f"{sys.argv[1]}/*__*/metrics.jsonl")[0])][1:]
+gpus, batch = int(sys.argv[2]), rows[0]["episode"]
+print("time/generated_tokens_per_second_per_gpu:", [round(r["time/generated_tokens_per_second_per_gpu"]) for r in rows])
+for r in rows:
+    tokens = batch * r["val/response_length"]
+    assert abs(r["time/generated_tokens_per_second_per_gpu"] * r["time/update"] * gpus - tokens) <= 1e-6 * tokens, r
 EOF
 }
 memory_flat() {  # memory_flat <MiB samples>: the last third of a run's samples within 200 MiB of the middle third's
@@ -200,6 +212,7 @@ vllm_runs() {  # vllm_runs <script...>: each *_vllm.py asynchronous, one engine 
   for script in "$@"; do
     check "1gpu_$script" bash -c "$(declare -f run1); CUDA_VISIBLE_DEVICES=0 run1 $script.py $vllm_flags --output-dir $out/1gpu_$script"
     check "1gpu_${script}_metrics" metrics_ok "$out/1gpu_$script" 4 0 1 1 1
+    check "1gpu_${script}_per_gpu" per_gpu_ok "$out/1gpu_$script" 1  # vLLM shares the learner's GPU
     case $script in rloo_vllm | ppo_vllm | grpo_vllm)
       "$PYTHON" - "$out/1gpu_$script" "$script" <<'EOF'
 import glob, json, sys
@@ -283,6 +296,7 @@ stage7a() {
   check 2gpu_rloo_vllm_nccl bash -c "$(declare -f run1); CUDA_VISIBLE_DEVICES=0,1 run1 rloo_vllm.py $vllm_flags --output-dir $out/2gpu_nccl"
   check 2gpu_rloo_vllm_nccl_metrics metrics_ok "$out/2gpu_nccl" 4 0 1 1 1
   check 2gpu_vllm_on_gpu_1 grep -q "vLLM runs on GPU 1, a GPU of its own" "$out/2gpu_rloo_vllm_nccl.log"
+  check 2gpu_rloo_vllm_nccl_per_gpu per_gpu_ok "$out/2gpu_nccl" 2  # one learner and vLLM's own GPU
   check 2gpu_weight_transfer_nccl grep -q "Creating weight transfer engine: NCCLWeightTransferEngine" "$out/2gpu_rloo_vllm_nccl.log"
   check 2gpu_rloo_vllm_file bash -c "$(declare -f run1); CUDA_VISIBLE_DEVICES=0,1 run1 rloo_vllm.py --weight-sync file $vllm_flags --output-dir $out/2gpu_file"
   check 2gpu_nccl_and_file_agree same_scores "$out/2gpu_nccl" "$out/2gpu_file"
@@ -309,6 +323,7 @@ stage7b() {
   check 2gpu_rloo_vllm_shared_2_ranks_metrics metrics_ok "$out/2gpu_shared" 48 0 $(printf '1 %.0s' $(seq 47))
   check 2gpu_shared_rank_1_memory_flat memory_flat "$out/2gpu_shared_gpu1_mib.txt"
   check 2gpu_vllm_shares_gpu_0 grep -q "vLLM shares GPU 0 with training" "$out/2gpu_shared.log"
+  check 2gpu_rloo_vllm_shared_per_gpu per_gpu_ok "$out/2gpu_shared" 2  # two learners, vLLM on rank 0's
   check 2gpu_shared_2_ranks_through_files grep -q "training ranks: the weights go through files" "$out/2gpu_shared.log"
 }
 stage8() {
@@ -317,6 +332,7 @@ stage8() {
     --num-eval-prompts 64 --output-dir "$out/3gpu_vllm"
   check 3gpu_online_dpo_vllm_metrics metrics_ok "$out/3gpu_vllm" 5 0 1 2 2 2
   check 3gpu_vllm_on_gpu_2 grep -q "vLLM runs on GPU 2, a GPU of its own" "$out/3gpu_online_dpo_vllm.log"
+  check 3gpu_online_dpo_vllm_per_gpu per_gpu_ok "$out/3gpu_vllm" 3  # two learners and vLLM's own GPU
   check 3gpu_weight_transfer_nccl grep -q "Creating weight transfer engine: NCCLWeightTransferEngine" "$out/3gpu_online_dpo_vllm.log"
 }
 

@@ -120,6 +120,23 @@ def test_an_updates_tokens_per_second_from_its_metrics():
     assert runlog.throughputs({**hf, "val/trained_tokens": 300.0}, 64, 2)["time/trained_tokens_per_second"] == 75.0
 
 
+def test_an_updates_tokens_per_second_per_gpu_of_the_run():
+    """The GPUs a run uses: a learner process each, and vLLM's where it has its own (vllm_engine.vllm_gpu's placement:
+    (its GPU, the training GPU it shares or None)); none on a CPU. Per GPU, an update's 800 tokens (64 responses of
+    12.5) in its 2 s of wall clock on 3 GPUs are 800 / 6 a second, 300 trained of them 50; a CPU run logs none."""
+    assert runlog.run_gpus(2, True, ("2", None)) == 3  # two learners, vLLM on a GPU of its own
+    assert runlog.run_gpus(2, True, ("0", 0)) == 2  # vLLM shares rank 0's GPU
+    assert runlog.run_gpus(4, True) == 4  # no vLLM (rloo.py)
+    assert runlog.run_gpus(1, False, None) == 0  # a CPU
+    update = {"val/response_length": 12.5, "time/update": 2.0, "time/training": 1.0}
+    assert runlog.per_gpu_throughputs(update, 64, 3) == {"time/generated_tokens_per_second_per_gpu": 800 / 6,
+                                                          "time/trained_tokens_per_second_per_gpu": 800 / 6}
+    assert runlog.per_gpu_throughputs({**update, "val/trained_tokens": 300.0}, 64, 3) == {
+        "time/generated_tokens_per_second_per_gpu": 800 / 6, "time/trained_tokens_per_second_per_gpu": 50.0}
+    assert runlog.per_gpu_throughputs(update, 64, 0) == {}
+    assert runlog.per_gpu_throughputs({"eval/scores": 0.5, "time/update": 2.0}, 64, 3) == {}  # an evaluation's row
+
+
 def fake_run_log(tmp_path, monkeypatch, track=False, batch_size=64):
     """A RunLog of one process (close() gathers only its timeline) writing into `tmp_path`; with `track`, a stand-in
     for wandb that keeps what was logged (wandb.logged); its atexit registrations in `exits`."""
