@@ -19,7 +19,7 @@ from conftest import ROOT
 STORED = os.path.join(ROOT, "benchmark", "results")
 # Each figure's table: its first line is the command that made the figure (and the table), the rest plot.py's points.
 FIGURES = ["readme_async_math_plot.txt", "readme_lora_tiny_plot.txt", "vllm_time_split_plot.txt", "tiny_offpolicy_plot.txt",
-           "tiny_async_plot.txt", "readme_async_smollm2_plot.txt"]
+           "tiny_async_plot.txt", "readme_async_smollm2_plot.txt", "readme_lora_full_tiny_plot.txt"]
 # Points a curve has at least: 10, but SmolLM2's runs of 10 updates, evaluated every 5 (an evaluation there takes
 # longer than generating a batch, and --sync's generation hides under it: evaluating every update would hide it all).
 FEWEST_POINTS = {"readme_async_smollm2_plot.txt": 3}
@@ -146,17 +146,28 @@ def test_each_figure_is_made_again_from_its_stored_outputs(name, tmp_path, capsy
 
 def test_the_figures_show_what_they_claim():
     """The numbers the captions state, read from the stored tables: the LoRA command at 1e-3 learns over its 1,000
-    updates while 3e-3 collapses (docs/lora.md); on the math task online DPO's asynchronous curve reaches 0.75 at 12.2 s
-    against --sync's 17.3 s, and RLOO's asynchronous runs end at 99.5 s after 32,000 episodes against --sync's 99.2 s
-    after 25,600: 1.25x the episodes a second, though it reached 0.75 at 26.9 s against 20.2 s and its first 100 updates
-    took 32.1 s against 25.8 s (the README and docs/results.md); on SmolLM2 RLOO's asynchronous runs ended at 0.625
-    after 333 s, --sync's at 0.693 after 412 s (docs/results.md)."""
+    updates while 3e-3 collapses, and full fine-tuning learns as fast at 1e-3, far slower at 2e-5 (docs/lora.md); on
+    the math task online DPO's asynchronous curve reaches 0.75 at 12.2 s against --sync's 17.3 s, and RLOO's
+    asynchronous runs end at 99.5 s after 32,000 episodes against --sync's 99.2 s after 25,600: 1.25x the episodes a
+    second, though it reached 0.75 at 26.9 s against 20.2 s and its first 100 updates took 32.1 s against 25.8 s (the
+    README and docs/results.md); on SmolLM2 RLOO's asynchronous runs ended at 0.625 after 333 s, --sync's at 0.693
+    after 412 s (docs/results.md)."""
     def stored(name):
         with open(os.path.join(STORED, name)) as f:
             return {key.split(" against ")[0]: points for key, points in printed_series(f.read()).items()}
 
     lora = stored("readme_lora_tiny_plot.txt")
     assert lora["1e-3: eval/gold_scores"][-1][0] == 1000 and lora["3e-3: eval/gold_scores"][1][1] < 0.02
+    # LoRA against full fine-tuning (docs/lora.md): at 2e-5 past 0.9 first at update 300, at 1e-3 as fast as the
+    # adapter (0.94 by update 20) and ahead of it by 0.008 on the mean from update 100 on; their ends
+    full = stored("readme_lora_full_tiny_plot.txt")
+    adapter, full_1e3, full_2e5 = (full[f"{label}: eval/gold_scores"] for label in (
+        "LoRA rank 8, 1e-3", "full fine-tuning, 1e-3", "full fine-tuning, 2e-5"))
+    assert next(update for update, mean, _, _ in full_2e5 if mean >= 0.9) == 300
+    assert [round(points[1][1], 2) for points in (adapter, full_1e3)] == [0.95, 0.94]
+    ahead = [b[1] - a[1] for a, b in zip(adapter, full_1e3) if a[0] >= 100]
+    assert round(statistics.fmean(ahead), 3) == 0.008 and sum(d > 0 for d in ahead) == 44 and len(ahead) == 46
+    assert [round(points[-1][1], 3) for points in (adapter, full_1e3, full_2e5)] == [0.976, 0.982, 0.946]
     math = stored("readme_async_math_plot.txt")
     math = {label.removesuffix(": eval/scores"): points for label, points in math.items()}
     reached = {label: next(x for x, mean, _, _ in math[label] if mean >= 0.75)
