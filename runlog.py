@@ -16,7 +16,7 @@ from tqdm import tqdm
 
 import timeline
 from checkpoints import latest_checkpoint
-from vllm_engine import vllm_gpu
+from distributed import vllm_gpu
 
 
 def run_directory(args):
@@ -154,7 +154,7 @@ def throughputs(metrics, batch_size, world_size):
 
 def run_gpus(world_size, on_cuda, vllm_placement=None):
     """The GPUs a run uses: one for each learner process, and vLLM's where it has one of its own (`vllm_placement`,
-    vllm_engine.vllm_gpu's (its GPU, the training GPU it shares or None), in a *_vllm.py); 0 on a CPU."""
+    distributed.vllm_gpu's (its GPU, the training GPU it shares or None), in a *_vllm.py); 0 on a CPU."""
     if not on_cuda:
         return 0
     return world_size + (vllm_placement is not None and vllm_placement[1] is None)

@@ -25,6 +25,7 @@ import torch
 from transformers import AutoConfig
 
 from checks import fail
+from distributed import vllm_gpu
 
 # vLLM logs about a hundred INFO lines around a run's own (start-up, compilation, shutdown): warnings only unless the
 # user sets VLLM_LOGGING_LEVEL (INFO shows them). Read when vLLM is first imported; its engine's processes inherit it.
@@ -129,42 +130,6 @@ def check_vllm_arguments(args):
     if not torch.cuda.is_available() and not 1 <= args.vllm_cpu_cores < len(os.sched_getaffinity(0)):
         fail("vllm_cpu_cores", f"must leave the learner at least one of this machine's "
                                f"{len(os.sched_getaffinity(0))} cores, got {args.vllm_cpu_cores}")
-
-
-def vllm_gpu_placement(env, num_node_gpus, vllm_gpu=None):
-    """vLLM's GPU: (its engine's CUDA_VISIBLE_DEVICES entry, the CUDA index on rank 0 of the training GPU it shares or
-    None when it has its own), a pure function of the launcher's environment. Training ranks use the first entries of
-    CUDA_VISIBLE_DEVICES (all GPUs when unset), one per local rank: as many as LOCAL_SIZE under deepspeed's launcher
-    (which sets CUDA_VISIBLE_DEVICES to exactly those), LOCAL_WORLD_SIZE under torchrun, 1 under `python`. vLLM takes
-    --vllm-gpu (a training GPU only if rank 0's, whose process hands vLLM the weights and leaves it memory), else the
-    next visible entry, else (deepspeed only: its --num_gpus hid the rest of the node) the first node GPU no rank uses,
-    else rank 0's GPU, shared. Entries are CUDA's own (indices in CUDA's order, UUIDs or MIG names), passed on
-    unchanged, so NVML's other numbering never enters; NVML only counts the node's GPUs."""
-    visible = env.get("CUDA_VISIBLE_DEVICES")
-    entries = [e.strip() for e in visible.split(",") if e.strip()] if visible else [str(i) for i in range(num_node_gpus)]
-    local_ranks = int(env.get("LOCAL_SIZE") or env.get("LOCAL_WORLD_SIZE") or 1)
-    training, rest = entries[:local_ranks], entries[local_ranks:]
-    if vllm_gpu is not None:
-        if vllm_gpu >= num_node_gpus:
-            fail("vllm_gpu", f"this node has {num_node_gpus} GPU(s), indices 0 to {num_node_gpus - 1}, got {vllm_gpu}")
-        choice = str(vllm_gpu)
-        if choice in training[1:]:
-            fail("vllm_gpu", f"GPU {choice} is training rank {training.index(choice)}'s: vLLM may share rank 0's only")
-    elif rest:
-        choice = rest[0]
-    elif "LOCAL_SIZE" in env and all(e.isdigit() for e in training) and len(training) < num_node_gpus:
-        choice = next(str(i) for i in range(num_node_gpus) if str(i) not in training)
-    else:
-        choice = training[0]
-    return choice, (entries.index(choice) if choice in training else None)
-
-
-def vllm_gpu(args):
-    """vllm_gpu_placement() on this node: NVML counts its GPUs, also those the deepspeed launcher hid from this process."""
-    import pynvml
-
-    pynvml.nvmlInit()
-    return vllm_gpu_placement(os.environ, pynvml.nvmlDeviceGetCount(), args.vllm_gpu)
 
 
 def in_memory_backend(shared, training_ranks):

@@ -295,11 +295,11 @@ PLACEMENT = {
 @pytest.mark.parametrize("case", PLACEMENT)
 def test_vllm_gpu_placement_over_the_launch_cases(case):
     env, num_gpus, vllm_gpu, expected = PLACEMENT[case]
-    assert vllm_engine.vllm_gpu_placement(env, num_gpus, vllm_gpu) == expected
+    assert distributed.vllm_gpu_placement(env, num_gpus, vllm_gpu) == expected
     # CUDA_DEVICE_ORDER changes how CUDA numbers GPUs against NVML; the choice is in CUDA's own
     # entries and uses NVML only for the count, so it is the same under either order.
     for order in ("PCI_BUS_ID", "FASTEST_FIRST"):
-        assert vllm_engine.vllm_gpu_placement({**env, "CUDA_DEVICE_ORDER": order}, num_gpus, vllm_gpu) == expected
+        assert distributed.vllm_gpu_placement({**env, "CUDA_DEVICE_ORDER": order}, num_gpus, vllm_gpu) == expected
 
 
 def test_a_checkpoint_from_another_kind_of_device_resumes_without_its_generator_state(tmp_path, process_group):
@@ -379,7 +379,7 @@ def test_vllm_may_share_no_training_gpu_but_rank_0s(capsys):
     """Rank 0's process measures vLLM's memory, empties its allocator for vLLM and holds the learner to the rest: on
     another rank's GPU it would do none of that for the rank that trains there."""
     with pytest.raises(SystemExit) as exit:
-        vllm_engine.vllm_gpu_placement({"CUDA_VISIBLE_DEVICES": "0,1,2", "LOCAL_SIZE": "3"}, 4, 1)
+        distributed.vllm_gpu_placement({"CUDA_VISIBLE_DEVICES": "0,1,2", "LOCAL_SIZE": "3"}, 4, 1)
     assert exit.value.code == 2
     assert capsys.readouterr().err == "error: --vllm-gpu: GPU 1 is training rank 1's: vLLM may share rank 0's only\n"
 

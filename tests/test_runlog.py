@@ -121,7 +121,7 @@ def test_an_updates_tokens_per_second_from_its_metrics():
 
 
 def test_an_updates_tokens_per_second_per_gpu_of_the_run():
-    """The GPUs a run uses: a learner process each, and vLLM's where it has its own (vllm_engine.vllm_gpu's placement:
+    """The GPUs a run uses: a learner process each, and vLLM's where it has its own (distributed.vllm_gpu's placement:
     (its GPU, the training GPU it shares or None)); none on a CPU. Per GPU, an update's 800 tokens (64 responses of
     12.5) in its 2 s of wall clock on 3 GPUs are 800 / 6 a second, 300 trained of them 50; a CPU run logs none."""
     assert runlog.run_gpus(2, True, ("2", None)) == 3  # two learners, vLLM on a GPU of its own
