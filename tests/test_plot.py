@@ -150,8 +150,8 @@ def test_the_figures_show_what_they_claim():
     the math task online DPO's asynchronous curve reaches 0.75 at 12.2 s against --sync's 17.3 s, and RLOO's
     asynchronous runs end at 99.5 s after 32,000 episodes against --sync's 99.2 s after 25,600: 1.25x the episodes a
     second, though it reached 0.75 at 26.9 s against 20.2 s and its first 100 updates took 32.1 s against 25.8 s (the
-    README and docs/results.md); on SmolLM2 RLOO's asynchronous runs ended at 0.625 after 333 s, --sync's at 0.693
-    after 412 s (docs/results.md)."""
+    README and docs/results.md); on SmolLM2 RLOO's asynchronous runs ended at 0.625 after 197 s, --sync's at 0.693
+    after 211 s, and stood at 0.516 after 98 s and 0.620 after 102 s at update 5 (docs/results.md)."""
     def stored(name):
         with open(os.path.join(STORED, name)) as f:
             return {key.split(" against ")[0]: points for key, points in printed_series(f.read()).items()}
@@ -187,8 +187,8 @@ def test_the_figures_show_what_they_claim():
     curves = {label: [(round(x), round(mean, 3)) for x, mean, _, _ in
                       smollm2[f"{label}: eval/scores against wall-clock seconds (mean, lowest, highest of 2)"]]
               for label in ("RLOO, async K = 1", "RLOO, --sync")}
-    assert curves == {"RLOO, async K = 1": [(0, 0.26), (156, 0.516), (333, 0.625)],
-                      "RLOO, --sync": [(0, 0.26), (194, 0.62), (412, 0.693)]}, curves
+    assert curves == {"RLOO, async K = 1": [(0, 0.26), (98, 0.516), (197, 0.625)],
+                      "RLOO, --sync": [(0, 0.26), (102, 0.62), (211, 0.693)]}, curves
 
 
 def test_where_an_updates_time_goes_from_a_trace(tmp_path):
