@@ -5,7 +5,7 @@ generated but not yet trained on kept in checkpoints, so a resumed run is exact.
 (StreamingThread) vLLM generates without batch boundaries, loads each version while responses are in flight and
 reports each token's version; K then bounds every token's staleness. Nothing here changes what is learned: the script
 passes its schedule (generating_version: the paper's K), its sampling request (sampling_params) and its choice of each
-batch's prompts (batch_prompts)."""
+batch's prompts (batch_prompts), and a multi-turn script its episodes (rollout)."""
 
 import atexit
 import collections
@@ -50,9 +50,12 @@ class AsyncGeneration:
     keeps two runs of one name (a sweep) apart. With LoRA (a peft policy) vLLM starts from the base model and each
     version is only the adapter's directory, which vLLM adds as an adapter of its own while it drops the one before
     (vllm_engine.swap_adapter); the base weights are never reloaded. `sample` is the script's sampling request
-    (sampling_params). The weight check compares the log-probabilities of the first train prompts (the probe)."""
+    (sampling_params); a multi-turn script passes `rollout` instead, its episodes of turns: rollout(llm, prompts, k,
+    seed, adapter) gives each request's token ids, log-probabilities and which tokens the policy sampled (1) or the
+    environment appended (0), request n's first seed being seed + n, as batch mode's. The weight check compares the
+    log-probabilities of the first train prompts (the probe)."""
 
-    def __init__(self, args, policy, run_dir, train_prompts, schedule, sample, choose_prompts, prefill=0):
+    def __init__(self, args, policy, run_dir, train_prompts, schedule, sample, choose_prompts, prefill=0, rollout=None):
         start_update = resumed_update(args)
         tokenizer = load_tokenizer(args.sft_model_path, args.trust_remote_code)
         stop_id, k = stop_token_id(args, tokenizer), getattr(args, "k", 1)  # (PPO samples one response a prompt)
@@ -107,7 +110,7 @@ class AsyncGeneration:
                 args, llm, sample, schedule, choose_prompts, weights_dir=self.weights_dir, train_prompts=train_prompts,
                 prompts_per_rank=args.local_batch_size // k, k=k, stop_id=stop_id, first_version=start_update,
                 off_policy_steps=off_policy_steps, probe=probe, in_memory=self.in_memory, adapter=adapter,
-                resumed_batches=resumed, prefill=prefill, **(streaming if self.streaming else {}))
+                resumed_batches=resumed, prefill=prefill, rollout=rollout, **(streaming if self.streaming else {}))
             atexit.register(self.thread.close)  # on every way out: the end, an error, Ctrl-C, SIGTERM
         # The weight check (--check-weights-every): vLLM's log-probabilities of the probe against the learner's, and the
         # digests of the tensors vLLM keeps as the learner does (found now: on a GPU every one, the fused q/k/v and
@@ -227,6 +230,7 @@ class GeneratedBatch(NamedTuple):
     load_time: float
     token_versions: list = None  # each token's policy version, as responses (streaming: vLLM's spans, checked)
     stream: dict = None  # streaming: vLLM's mean requests in flight, prompts generated again, since the last batch
+    sampled: list = None  # episodes of turns (a rollout): per token 1 if the policy sampled it, 0 if appended to it
 
     def stream_metrics(self, update):
         """A streaming batch's versions for the update that trains on it (every rank's tokens: the same on every rank):
@@ -282,12 +286,13 @@ class GenerationThread:
 
     def __init__(self, args, llm, sample, schedule, choose_prompts, *, weights_dir, train_prompts,
                  prompts_per_rank, k, stop_id, first_version, off_policy_steps, probe, in_memory, adapter=None,
-                 resumed_batches=(), prefill=0):
+                 resumed_batches=(), prefill=0, rollout=None):
         self.args, self.llm, self.weights_dir, self.stop_id, self.probe = args, llm, weights_dir, stop_id, probe
         self.adapter = adapter  # with LoRA: the LoRARequest of the version vLLM generates with
         # the script's sampling request, schedule and choice of prompts
         self.sample, self.schedule, self.choose_prompts = sample, schedule, choose_prompts
         self.in_memory = in_memory
+        self.rollout = rollout  # the script's episodes of turns (multi-turn scripts), else one response a request
         self.train_prompts, self.prompts_per_rank, self.k = train_prompts, prompts_per_rank, k
         self.first_version, self.off_policy_steps = first_version, off_policy_steps
         self.batches, self.versions, self.receivers = queue.Queue(), queue.Queue(), queue.Queue()
@@ -389,8 +394,12 @@ class GenerationThread:
                 prompts = [self.train_prompts[i] for indices in chosen for i in indices]
                 # Request n gets this seed + n: seeds never repeat across batches (sampling_params() says why).
                 seed = args.seed * 2**32 + (self.prefill + update) * args.batch_size
-                responses, logprobs = zip(*generate_batch(self.llm, prompts, self.k, lambda n: self.sample(
-                    args.response_length, self.stop_id, args.temperature, seed + n), self.adapter))
+                if self.rollout is None:
+                    episodes = generate_batch(self.llm, prompts, self.k, lambda n: self.sample(
+                        args.response_length, self.stop_id, args.temperature, seed + n), self.adapter)
+                else:  # (token ids, log-probabilities, and which tokens the policy sampled: 1, or appended: 0)
+                    episodes = self.rollout(self.llm, prompts, self.k, seed, self.adapter)
+                responses, logprobs = [e[0] for e in episodes], [e[1] for e in episodes]
                 timeline.record("generate a batch", t1, time.time(), update=update, version=loaded)
                 # vLLM returns sample j of prompt p at j * len(prompts) + p, and rank r's prompt i is p =
                 # r * prompts_per_rank + i: regroup per rank, sample-major like the synchronous scripts' batches.
@@ -400,7 +409,9 @@ class GenerationThread:
                                                 [[responses[n] for n in rank] for rank in order],
                                                 [[logprobs[n] for n in rank] for rank in order], seed,
                                                 time.time() - t1, t1 - t0,
-                                                [[[loaded] * len(responses[n]) for n in rank] for rank in order]))
+                                                [[[loaded] * len(responses[n]) for n in rank] for rank in order],
+                                                sampled=None if self.rollout is None else
+                                                [[episodes[n][2] for n in rank] for rank in order]))
         except BaseException as error:  # handed to the learner, which raises it
             self.error = error
 

@@ -399,11 +399,17 @@ BAD_INPUT = [  # (script, arguments, the argument the error must name)
     ("rloo.py", ["--lora-rank", "8", "--lora-target-modules", "q_proj,v_proj"], "--lora-target-modules"),
     ("rloo_vllm.py", ["--lora-rank", "1024"], "--lora-rank"),
     ("rloo_vllm.py", ["--lora-rank", "8", "--weight-sync", "memory"], "--weight-sync"),
-    # Streaming generation with an adapter (vLLM cannot change a request's in flight), or room for no prompt.
-    ("grpo_vllm.py", ["--generation", "streaming", "--lora-rank", "8"], "--generation"),
+    # Streaming generation with room for no prompt.
     ("ppo_vllm.py", ["--generation", "streaming", "--max-in-flight", "0"], "--max-in-flight"),
     ("rloo.py", ["--k", "4", "--resume", "RLOO_RUN_K4", "--stop-token", "no such token"], "--stop-token"),  # found
     # once the tokenizer has loaded, and still before anything is written into the run it resumes
+    # Episodes of turns: no turn, a call or a result without its place or its end, an end that is not one token of the
+    # tokenizer (found once it has loaded), streaming.
+    ("grpo_tools_vllm.py", ["--max-turns", "0"], "--max-turns"),
+    ("grpo_tools_vllm.py", ["--tool-call", "<calc>"], "--tool-call"),
+    ("grpo_tools_vllm.py", ["--tool-result", "<result>{}"], "--tool-result"),
+    ("grpo_tools_vllm.py", ["--tool-call", "<calc>{}</calculation>"], "--tool-call"),
+    ("grpo_tools_vllm.py", ["--generation", "streaming"], "--generation"),
 ]
 
 
