@@ -29,11 +29,11 @@ from transformers import AutoTokenizer
 import timeline
 from checkpoints import latest_checkpoint, resume_hint, resumed_update
 from data import load_tokenizer, stop_token_id
-from vllm_engine import (add_adapter, engine_dead, engine_exit, generate_batch, in_memory_backend, load_into_vllm,
-                         parameter_bytes, pin_vllm_to_its_cores, sampled_tokens, shut_down, start_vllm, swap_adapter,
-                         vllm_gpu, wait_for)
+from vllm_engine import (add_adapter, drop_adapter, engine_dead, engine_exit, generate_batch, in_memory_backend,
+                         load_into_vllm, parameter_bytes, pin_vllm_to_its_cores, sampled_tokens, shut_down, start_vllm,
+                         swap_adapter, vllm_gpu, wait_for)
 from weight_handoff import (VllmClient, WeightsDiffer, check_vllm_weights, digests_to_check, expected_weights, is_lora,
-                            probe_sampling, save_for_vllm, send_weights, vllm_digests, weight_transfer, weights_root)
+                            probe_requests, save_for_vllm, send_weights, vllm_digests, weight_transfer, weights_root)
 
 
 class AsyncGeneration:
@@ -235,18 +235,37 @@ class GeneratedBatch(NamedTuple):
     def stream_metrics(self, update):
         """A streaming batch's versions for the update that trains on it (every rank's tokens: the same on every rank):
         its tokens' staleness (versions behind the policy trained), the share of responses holding more than one
-        version, vLLM's mean requests in flight and the prompts generated again since the last batch. Batch mode:
-        none (every token is the batch's version: async/off_policy_steps)."""
+        version, vLLM's mean requests in flight and the prompts generated again since the last batch, and the share of
+        its tokens at each staleness (async/tokens_stale_<versions>, runlog's wandb histogram). Batch mode: none (every
+        token is the batch's version: async/off_policy_steps)."""
         if self.stream is None:
             return {}
         responses = [response for rank in self.token_versions for response in rank]
         staleness = torch.tensor([update - 1 - v for response in responses for v in response], dtype=torch.float64)
-        return {"async/token_staleness_mean": staleness.mean().item(),
+        shares = {f"async/tokens_stale_{s}": (staleness == s).double().mean().item()
+                  for s in range(int(staleness.max()) + 1)}
+        return {**shares, "async/token_staleness_mean": staleness.mean().item(),
                 "async/token_staleness_max": staleness.max().item(),
                 "async/token_staleness_min": staleness.min().item(),
                 "async/mixed_version_responses": sum(len(set(r)) > 1 for r in responses) / len(responses),
                 "async/vllm_in_flight": self.stream["in_flight"],
                 "async/regenerated_prompts": self.stream["regenerated"]}
+
+
+    def version_kinds(self, rank, device):
+        """Streaming: rank `rank`'s responses of one version and those mixing versions, {"one_version": rows, "mixed":
+        rows} (a bool per response), each with the weight that makes the mean over ranks of a per-token mean over
+        those rows the batch's: the rank's share of the batch's tokens of that kind, times the ranks. Batch mode: {}."""
+        if self.stream is None:
+            return {}
+        mixed = [[len(set(response)) > 1 for response in versions] for versions in self.token_versions]
+        kinds = {}
+        for kind, want in (("one_version", False), ("mixed", True)):
+            tokens = [sum(len(r) for r, m in zip(versions, flags) if m == want)
+                      for versions, flags in zip(self.token_versions, mixed)]
+            rows = torch.tensor([m == want for m in mixed[rank]], device=device)
+            kinds[kind] = (rows, tokens[rank] * len(tokens) / max(sum(tokens), 1))
+        return kinds
 
 
 GENERATED_BATCHES, STREAM_STATE = "generated_batches.json", "stream.json"
@@ -428,7 +447,10 @@ class StreamingThread(GenerationThread):
     (--off-policy-steps) versions newer than the one that sampled it. vLLM starts no prompt whose tokens could not meet
     that, and a finished prompt one of whose tokens misses it is generated again (counted in the batch's stream stats).
     vLLM's scheduling depends on timing, so a streaming run is not reproducible token for token; a checkpoint keeps the
-    prompts drawn but not yet trained on, which a resumed run generates first (none lost, none twice)."""
+    prompts drawn but not yet trained on, which a resumed run generates first (none lost, none twice). With LoRA a
+    request keeps the adapter it started with (vLLM cannot change it): a new version's adapter serves the requests that
+    start after its load, all of a response's tokens are its adapter's version, and an adapter goes once no request
+    uses it (requests too old for the next batch are stopped at a load and generated again)."""
 
     def __init__(self, *args, resumed_stream=None, **kwargs):
         super().__init__(*args, **kwargs)
@@ -442,6 +464,9 @@ class StreamingThread(GenerationThread):
         self.again = collections.deque(self.untrained)  # groups to generate (again)
         self.groups, self.requests = 0, state["requests"]  # numbering groups, and requests (their seeds)
         self.running, self.samples, self.done = {}, {}, []  # {group: responses left}, {group: [sample j's]}, finished
+        # with LoRA: the adapters vLLM holds, {version: LoRARequest}, and each group's version (its adapter's)
+        self.adapters = {} if self.adapter is None else {self.first_version: self.adapter}
+        self.group_versions = {}
 
     def wait_for_receiver(self, version):
         """Ask the generator to pause vLLM between two decoding steps for version `version`, and wait until it has:
@@ -486,8 +511,10 @@ class StreamingThread(GenerationThread):
                                    args.seed * 2**32 + 2**31 + first + j)
             sampling.output_kind = RequestOutputKind.FINAL_ONLY
             self.llm.llm_engine.add_request(f"{group}/{j}", TokensPrompt(
-                prompt_token_ids=self.train_prompts[self.untrained[group]]), sampling)
+                prompt_token_ids=self.train_prompts[self.untrained[group]]), sampling, lora_request=self.adapter)
         self.running[group], self.samples[group] = self.k, [None] * self.k
+        if self.adapter is not None:
+            self.group_versions[group] = int(self.adapter.lora_name.removeprefix("policy-"))
 
     def _step(self, loaded, probe=None):
         """One decoding step of vLLM; the responses it finished go to their groups, a group whose k have finished to
@@ -500,7 +527,7 @@ class StreamingThread(GenerationThread):
                 continue
             group, j = map(int, output.request_id.split("/"))
             tokens, logprobs = sampled_tokens(output.outputs[0])
-            self.samples[group][j] = (tokens, logprobs, token_versions(output.outputs[0], len(tokens), loaded))
+            self.samples[group][j] = (tokens, logprobs, token_versions(output, loaded))
             self.running[group] -= 1
             if not self.running[group]:
                 del self.running[group]
@@ -509,36 +536,57 @@ class StreamingThread(GenerationThread):
     def _load(self, version, weights_path, finish, expected):
         """Version `version` into vLLM between two decoding steps: paused with its requests kept, the weights loaded,
         the requests in flight computed again under them, vLLM told the version (it reports it with the tokens sampled
-        from now on), resumed; with `expected` (a WeightCheck), the probe then generated and checked."""
+        from now on), resumed; with LoRA, its adapter added for the requests that start from now, nothing paused. With
+        `expected` (a WeightCheck), the probe then generated and checked."""
         from vllm.inputs import TokensPrompt
 
-        engine = self.llm.llm_engine
-        engine.engine_core.call_utility("pause_scheduler", "keep", False)
+        engine, lora = self.llm.llm_engine, self.adapter is not None
+        if not lora:
+            engine.engine_core.call_utility("pause_scheduler", "keep", False)
         if not self.wanted.empty():  # in memory: the learner sends while vLLM is paused
             self.receivers.put(self.wanted.get())
         if version is None:
             version, weights_path, finish, expected = self._take(self.versions, "waiting for new weights",
                                                                  check=lambda: None, timeout=math.inf)
         with timeline.span("load a version", version=version):
-            if weights_path is not None:
-                load_into_vllm(self.llm, weights_path)
-                shutil.rmtree(weights_path, ignore_errors=True)
-            if finish is not None:
-                finish()
-            if not engine.reset_prefix_cache(reset_running_requests=True):
-                raise RuntimeError("vLLM could not compute its requests in flight again under the new weights")
-            engine.set_weight_version(str(version))
-        engine.engine_core.call_utility("resume_scheduler")
+            if lora:
+                self.adapter = self.adapters[version] = add_adapter(self.llm, version, weights_path)
+            else:
+                if weights_path is not None:
+                    load_into_vllm(self.llm, weights_path)
+                    shutil.rmtree(weights_path, ignore_errors=True)
+                if finish is not None:
+                    finish()
+                if not engine.reset_prefix_cache(reset_running_requests=True):
+                    raise RuntimeError("vLLM could not compute its requests in flight again under the new weights")
+                engine.set_weight_version(str(version))
+                engine.engine_core.call_utility("resume_scheduler")
         if expected is not None:  # the probe's requests join the stream; no version loads before they end
             with timeline.span("check the weights", version=version):
-                for i, prompt in enumerate(self.probe):
-                    engine.add_request(f"probe/{i}", TokensPrompt(prompt_token_ids=prompt), probe_sampling())
+                requests = probe_requests(self.probe, self.adapter)
+                for i, (prompt, sampling) in enumerate(requests):
+                    engine.add_request(f"probe/{i}", TokensPrompt(prompt_token_ids=prompt), sampling,
+                                       lora_request=self.adapter)
                 probe = {}
-                while len(probe) < len(self.probe):
+                while len(probe) < len(requests):
                     self._step(version, probe)
-                check_vllm_weights(self.llm, version, self.probe, expected, self.args.bf16,
-                                   probe_outputs=[probe[i] for i in range(len(self.probe))])
+                check_vllm_weights(self.llm, version, self.probe, expected, self.args.bf16, self.adapter,
+                                   probe_outputs=[probe[i] for i in range(len(requests))])
         return version
+
+    def _drop_old_adapters(self, oldest):
+        """With LoRA, after a load: the groups whose adapter is older than version `oldest` (too old for the next batch)
+        stopped and queued to be generated again, and every adapter but the newest that no request uses dropped, so
+        that vLLM holds the K + 1 that batches may still take and the next. Returns the groups stopped."""
+        stale = [group for group in self.running if self.group_versions[group] < oldest]
+        self.llm.llm_engine.abort_request([f"{group}/{j}" for group in stale for j in range(self.k)])
+        for group in stale:
+            del self.running[group], self.samples[group]
+            self.again.append(group)
+        used = {self.group_versions[group] for group in self.running} | {max(self.adapters)}
+        for version in [version for version in self.adapters if version not in used]:
+            drop_adapter(self.llm, self.adapters.pop(version))
+        return len(stale)
 
     def _run(self):
         args = self.args
@@ -555,6 +603,8 @@ class StreamingThread(GenerationThread):
                     if self.running:
                         timeline.record("generate", busy_since, start, update=update, version=loaded)
                     loaded = self._load(*(self.versions.get() if self.wanted.empty() else (None,) * 4))
+                    if self.adapters:
+                        regenerated += self._drop_old_adapters(update - 1 - self.off_policy_steps)
                     busy_since = time.time()
                     loading += busy_since - start
                 if update > args.num_updates and self.running:  # the last batch is out: the rest is not needed
@@ -604,20 +654,26 @@ class StreamingThread(GenerationThread):
             prompts = [[self.untrained[group] for group in rank] for rank in ranks]
         for group in groups:
             del self.samples[group]
+            self.group_versions.pop(group, None)
         return GeneratedBatch(min(v for rank in versions for response in rank for v in response), prompts, responses,
                               logprobs, None, generating, loading, versions, stats)
 
 
-def token_versions(completion, length, loaded):
-    """The policy version of each of a finished response's `length` tokens, from vLLM's spans (weight_versions); every
-    span's version must be one vLLM has loaded by now (`loaded`, or an older one)."""
+def token_versions(output, loaded):
+    """The policy version of each token of a finished request (a vLLM RequestOutput), as vLLM reports it: from its
+    spans (weight_versions), or with LoRA the version of the adapter that generated it all (add_adapter()'s name);
+    every version must be one vLLM has loaded by now (`loaded`, or an older one)."""
+    completion = output.outputs[0]
+    spans = ([(output.lora_request.lora_name.removeprefix("policy-"), len(completion.token_ids))] if output.lora_request
+             else [(span.version, span.end - span.start) for span in completion.weight_versions or []])
     versions = []
-    for span in completion.weight_versions or []:
-        if not span.version.isdigit() or int(span.version) > loaded:
-            raise RuntimeError(f"vLLM reports tokens of policy version {span.version!r}, which it was never given")
-        versions += [int(span.version)] * (span.end - span.start)
-    if len(versions) != length:
-        raise RuntimeError(f"vLLM's version spans cover {len(versions)} of a response's {length} tokens")
+    for version, count in spans:
+        if not version.isdigit() or int(version) > loaded:
+            raise RuntimeError(f"vLLM reports tokens of policy version {version!r}, which it was never given")
+        versions += [int(version)] * count
+    if len(versions) != len(completion.token_ids):
+        raise RuntimeError(f"vLLM's version spans cover {len(versions)} of a response's {len(completion.token_ids)} "
+                           "tokens")
     return versions
 
 

@@ -407,6 +407,8 @@ def main(args):
             "async/off_policy_steps": update - 1 - batch.version,
             **batch.stream_metrics(update),  # (streaming: the versions of its tokens)
             "async/mismatch_kl": mismatch_kl(logprobs, behaviour_logprobs, ~padding_mask),
+            **{f"async/mismatch_kl_{kind}": weight * mismatch_kl(logprobs, behaviour_logprobs, ~padding_mask & rows[:, None])
+               for kind, (rows, weight) in batch.version_kinds(rank, device).items()},  # (streaming)
             **is_stats,
             "time/vllm_generation": batch.generation_time,
             "time/generation_wait": t1 - t0 + waited,

@@ -107,6 +107,11 @@ class RunLog:
                 self.staleness[steps] = self.staleness.get(steps, 0) + 1
                 self.wandb.log({"async/staleness": self.wandb.Histogram(np_histogram=staleness_histogram(
                     self.staleness))}, step=metrics["episode"])
+            tokens = {int(key.rsplit("_", 1)[1]): share for key, share in metrics.items()
+                      if key.startswith("async/tokens_stale_")}
+            if tokens:  # streaming: this batch's tokens by staleness (GeneratedBatch.stream_metrics())
+                self.wandb.log({"async/token_staleness": self.wandb.Histogram(np_histogram=staleness_histogram(
+                    tokens))}, step=metrics["episode"])
             if samples:
                 table = self.wandb.Table(columns=["query", "response", "score"], data=samples)
                 self.wandb.log({"eval/samples": table}, step=metrics["episode"])
@@ -225,7 +230,8 @@ def write_trace(path, ranks):
     os.replace(path + ".tmp", path)
 
 
-VLLM_WORK = ("generate a batch", "load a version", "check the weights")  # the generator thread's busy phases
+# the generator thread's busy phases (streaming: "generate", its time with requests in flight)
+VLLM_WORK = ("generate a batch", "generate", "load a version", "check the weights")
 
 
 def time_shares(metrics, events, start, end):

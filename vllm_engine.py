@@ -119,9 +119,6 @@ def check_vllm_arguments(args):
         fail("off_policy_steps", f"must be at least 1 (use --sync for on-policy), got {args.off_policy_steps}")
     check_vllm_lora(args)
     check_weight_sync(args)
-    if args.generation == "streaming" and args.lora_rank:
-        fail("generation", "streaming generation does not take a LoRA policy yet (vLLM cannot change the adapter of a "
-                           "request in flight): use --generation batch")
     if args.max_in_flight is not None and args.max_in_flight < getattr(args, "k", 1):
         fail("max_in_flight", f"must be at least k = {getattr(args, 'k', 1)} (one prompt's responses), got "
                               f"{args.max_in_flight}")
@@ -214,7 +211,8 @@ def start_vllm(args, model_path, weight_transfer=False, sizes=None, lora_rank=0)
     `weight_transfer` it takes weights in memory (weight_transfer()): in_memory_backend()'s (on a CPU: vLLM's "nccl"
     engine, provided only by the tests' plugin tests/cpu_weight_transfer). Its memory share leaves room for loading new
     weights, of parameters of `sizes` bytes ({name: bytes}, hand_off_bytes()). With a `lora_rank` it serves LoRA adapters
-    of that rank (add_adapter()): two at once, the one it generates with and the next."""
+    of that rank (add_adapter()): two at once, the one it generates with and the next; streaming, where a request keeps
+    the adapter it started with, those of the K + 1 versions a batch may hold and the next."""
     from vllm import LLM
 
     # Log-probabilities returned with samples are those of the distribution sampled from (after temperature).
@@ -252,8 +250,10 @@ def start_vllm(args, model_path, weight_transfer=False, sizes=None, lora_rank=0)
         # A prefill split over steps makes vLLM rewind its seeded sampler, which torch's CPU generator cannot do.
         engine_args["enable_chunked_prefill"] = False
         shared = None
-    if lora_rank:
-        engine_args.update(enable_lora=True, max_lora_rank=served_lora_rank(lora_rank), max_loras=1, max_cpu_loras=2)
+    if lora_rank:  # (max_loras: adapters in one decoding step; max_cpu_loras: adapters held)
+        live = 1 + (args.off_policy_steps if args.generation == "streaming" and not args.sync else 0)
+        engine_args.update(enable_lora=True, max_lora_rank=served_lora_rank(lora_rank), max_loras=live,
+                           max_cpu_loras=live + 1)
     if backend is not None:
         engine_args["weight_transfer_config"] = {"backend": backend}
         if backend == "ipc":
@@ -392,9 +392,14 @@ def swap_adapter(llm, adapter, version, path):
     """Load version `version`'s adapter from `path`, then drop `adapter` (the LoRARequest of the version before, which
     no batch needs any more) from vLLM and its directory; returns the new LoRARequest. The base weights stay."""
     new = add_adapter(llm, version, path)
+    drop_adapter(llm, adapter)
+    return new
+
+
+def drop_adapter(llm, adapter):
+    """Remove `adapter` (a LoRARequest no request uses any more) from vLLM, and its directory."""
     llm.llm_engine.remove_lora(adapter.lora_int_id)
     shutil.rmtree(adapter.lora_path, ignore_errors=True)
-    return new
 
 
 def load_into_vllm(llm, weights_path):

@@ -382,22 +382,27 @@ def expected_weights(policy, probe, names, pad_token_id, device):
                        base_logprobs)
 
 
-def probe_sampling():
-    """vLLM's request for the weight check: the probe's prompt log-probabilities (temperature 1), one token greedily."""
+def probe_requests(probe, adapter=None):
+    """The weight check's vLLM requests, (token ids, SamplingParams): each probe prompt's log-probabilities (temperature
+    1), one token greedily; under a LoRA adapter, whose prompt log-probabilities vLLM gets wrong (vLLM #29955, #51594),
+    a request per prefix of the probe instead, for the five likeliest next tokens."""
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
-    return SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0, detokenize=False,
-                          output_kind=RequestOutputKind.FINAL_ONLY)
+    if adapter is None:
+        return [(p, SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0, detokenize=False,
+                                   output_kind=RequestOutputKind.FINAL_ONLY)) for p in probe]
+    sampling = SamplingParams(max_tokens=1, temperature=0, logprobs=5, detokenize=False,
+                              output_kind=RequestOutputKind.FINAL_ONLY)
+    return [(p[:t], sampling) for p in probe for t in range(1, len(p))]
 
 
 def check_vllm_weights(llm, version, probe, expected, bf16, adapter=None, probe_outputs=None):
     """Raise WeightsDiffer (the run stops) unless vLLM holds policy version `version`: its prompt log-probabilities of
     the probe (temperature 1) within PROBE_TOLERANCE of the learner's, every expected digest equal. With LoRA,
     version's `adapter` must be loaded in vLLM, the probe runs with it, and its file holds the learner's adapter.
-    `probe_outputs`: vLLM's outputs of the probe's requests (probe_sampling()) where the caller generated them (the
+    `probe_outputs`: vLLM's outputs of the probe's requests (probe_requests()) where the caller generated them (the
     streaming generator, amid its requests in flight), else generated here."""
-    from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     if adapter is not None and (adapter.lora_name != f"policy-{version}" or
@@ -405,17 +410,15 @@ def check_vllm_weights(llm, version, probe, expected, bf16, adapter=None, probe_
         raise WeightsDiffer(f"vLLM does not hold the LoRA adapter of version {version} of the learner's policy: it "
                             f"generates with {adapter.lora_name}'s, and holds adapters "
                             f"{sorted(llm.llm_engine.list_loras())} (--check-weights-every)")
+    requests = probe_requests(probe, adapter)
+    outputs = probe_outputs or llm.generate([TokensPrompt(prompt_token_ids=p) for p, _ in requests],
+                                            [sampling for _, sampling in requests], lora_request=adapter,
+                                            use_tqdm=False)
     if adapter is None:
-        outputs = probe_outputs or llm.generate([TokensPrompt(prompt_token_ids=p) for p in probe], probe_sampling(),
-                                                use_tqdm=False)
         vllm_logprobs = [[step[token].logprob for token, step in zip(p[1:], out.prompt_logprobs[1:])]
                          for p, out in zip(probe, outputs)]
-    else:  # vLLM's prompt log-probabilities are wrong under an adapter (vLLM #29955, #51594): a request per prefix
-        # of the probe instead, whose five likeliest next tokens include the learner's likeliest where they agree.
-        sampling = SamplingParams(max_tokens=1, temperature=0, logprobs=5, detokenize=False)
-        prefixes = [p[:t] for p in probe for t in range(1, len(p))]
-        outputs = iter(llm.generate([TokensPrompt(prompt_token_ids=x) for x in prefixes], sampling,
-                                    lora_request=adapter, use_tqdm=False))
+    else:  # the learner's likeliest next tokens are among vLLM's five where they agree
+        outputs = iter(outputs)
         vllm_logprobs = [[getattr(next(outputs).outputs[0].logprobs[0].get(token), "logprob", -math.inf)
                           for token in tokens] for tokens in expected.tokens]
     difference = torch.tensor([v - e for got, want in zip(vllm_logprobs, expected.logprobs)

@@ -176,6 +176,10 @@ def test_default_run_logs_saves_and_learns(learning_runs, case):
         assert rows[1]["async/token_staleness_max"] == 0
         assert all(0 <= row["async/token_staleness_min"] <= row["async/token_staleness_max"] <= 1 for row in rows[1:])
         assert all(0 < row["async/vllm_in_flight"] <= 64 for row in rows[1:])
+        # the tokens' shares by staleness, and the mismatch KL of responses of one version and of several
+        assert all(sum(v for k, v in row.items() if k.startswith("async/tokens_stale_")) == pytest.approx(1)
+                   for row in rows[1:])
+        assert all(row["async/mismatch_kl_one_version"] >= 0 and row["async/mismatch_kl_mixed"] >= 0 for row in rows[1:])
     if script.endswith("_vllm.py"):
         # Behaviour (vLLM) against proximal (learner) log-probabilities, in every *_vllm.py. In float32, on-policy
         # (the first batch, from the SFT policy), the two engines agree. One update late, at this learning rate, they

@@ -7,6 +7,8 @@ import os
 import sys
 import types
 
+import pytest
+
 from conftest import read_metrics, run_dir_of, run_script
 
 import runlog
@@ -101,6 +103,10 @@ def test_an_updates_time_shares_from_its_metrics_and_the_generators_phases():
     assert shares == {"time/update": 10.0, "time/learner_idle_fraction": 0.2, "time/vllm_idle_fraction": 0.5,
                       "time/overlap_bound": 1.5}, shares  # generation: 96-100 outside, 104-106 and 108-110 inside
     assert runlog.time_shares({"time/generation": 1.0}, events, 100.0, 110.0) == {"time/update": 10.0}  # no vLLM
+    # Streaming: the generator's "generate" spans (requests in flight) are vLLM's work too: 101-104 and 105-109
+    streaming = [event("generate", 95, 6), event("load a version", 101, 0.5), event("generate", 101.5, 2.5),
+                 event("wait for a version", 104, 1), event("generate", 105, 4)]
+    assert runlog.time_shares(metrics, streaming, 100.0, 110.0)["time/vllm_idle_fraction"] == pytest.approx(0.2)
 
 
 def test_an_updates_tokens_per_second_from_its_metrics():
@@ -166,20 +172,27 @@ def fake_run_log(tmp_path, monkeypatch, track=False, batch_size=64):
 
 def test_the_staleness_of_the_batches_so_far_as_a_wandb_histogram(tmp_path, monkeypatch):
     """With --track each update logs async/staleness: every batch trained so far counted at its off-policy steps, one
-    bin per whole step (0 for the first batch of a K = 1 run, 1 after), and the update's tokens per second."""
+    bin per whole step (0 for the first batch of a K = 1 run, 1 after), and the update's tokens per second; streaming,
+    async/token_staleness too: the update's tokens by staleness (their shares, one bin per version)."""
     log, wandb, _ = fake_run_log(tmp_path, monkeypatch, track=True, batch_size=8)
     assert runlog.staleness_histogram({1: 30, 0: 1}) == ([1, 30], [-0.5, 0.5, 1.5])
     assert runlog.staleness_histogram({2: 5, 0: 1}) == ([1, 0, 5], [-0.5, 0.5, 1.5, 2.5])
     for update, steps in enumerate([0, 1, 1], start=1):
         log.log(update, {**update_metrics(length=4.0), "episode": 8 * update, "async/off_policy_steps": float(steps),
                          "time/vllm_generation": 0.5, "time/training": 2.0, "time/generation_wait": 0.0})
+    # streaming: the batch's tokens by staleness, a histogram of this update's alone
+    log.log(4, {**update_metrics(length=4.0), "episode": 32, "async/off_policy_steps": 2.0, "time/training": 2.0,
+                "time/vllm_generation": 0.5, "time/generation_wait": 0.0, "async/tokens_stale_0": 0.25,
+                "async/tokens_stale_1": 0.0, "async/tokens_stale_2": 0.75})
     log.close()
     histograms = [metrics["async/staleness"] for _, metrics in wandb.logged if "async/staleness" in metrics]
     assert histograms == [("histogram", ([1], [-0.5, 0.5])), ("histogram", ([1, 1], [-0.5, 0.5, 1.5])),
-                          ("histogram", ([1, 2], [-0.5, 0.5, 1.5]))]
+                          ("histogram", ([1, 2], [-0.5, 0.5, 1.5])), ("histogram", ([1, 2, 1], [-0.5, 0.5, 1.5, 2.5]))]
+    tokens = [metrics["async/token_staleness"] for _, metrics in wandb.logged if "async/token_staleness" in metrics]
+    assert tokens == [("histogram", ([0.25, 0.0, 0.75], [-0.5, 0.5, 1.5, 2.5]))]
     rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
     assert [(row["time/generated_tokens_per_second"], row["time/trained_tokens_per_second"]) for row in rows] == [
-        (64.0, 16.0)] * 3  # 8 responses of 4 tokens: 32 tokens in 0.5 s generating, 2 s training
+        (64.0, 16.0)] * 4  # 8 responses of 4 tokens: 32 tokens in 0.5 s generating, 2 s training
 
 
 def test_a_run_that_ends_in_an_error_still_writes_its_trace(tmp_path, monkeypatch):

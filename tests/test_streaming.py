@@ -1,13 +1,16 @@
 """--generation streaming: each token's policy version, as vLLM reports it, is the version that sampled it (its
 log-probability is the learner's under that version), across hand-offs loaded while responses are in flight."""
 
+import copy
 import os
+import shutil
 
 import pytest
 import torch
 from conftest import TINY, read_metrics, run_dir_of, run_script
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+import data
 import generator
 import rloo_vllm
 import vllm_engine
@@ -42,6 +45,34 @@ def _learner_logprobs(model, prompt, tokens):
     with torch.no_grad():
         logits = model(ids).logits[0, len(prompt) - 1: -1].double()
     return torch.log_softmax(logits, -1).gather(1, torch.tensor(tokens)[:, None])[:, 0]
+
+
+def test_a_streaming_batchs_metrics_count_its_tokens_by_staleness():
+    """Two responses, of tokens of versions 3, 3, 4 and 2, trained by update 5 (the policy after 4 updates): staleness
+    1, 1, 0 and 2; one of the two responses mixes versions."""
+    batch = generator.GeneratedBatch(2, [[0]], [[[5, 6, 7], [8]]], [[[0.0] * 3, [0.0]]], None, 1.0, 0.0,
+                                     [[[3, 3, 4], [2]]], {"in_flight": 3.0, "regenerated": 1})
+    assert batch.stream_metrics(5) == {
+        "async/tokens_stale_0": 0.25, "async/tokens_stale_1": 0.5, "async/tokens_stale_2": 0.25,
+        "async/token_staleness_mean": 1.0, "async/token_staleness_max": 2.0, "async/token_staleness_min": 0.0,
+        "async/mixed_version_responses": 0.5, "async/vllm_in_flight": 3.0, "async/regenerated_prompts": 1}
+    assert batch._replace(stream=None).stream_metrics(5) == {}  # batch mode
+
+
+def test_the_mismatch_kl_of_mixed_responses_is_the_batchs_over_its_ranks():
+    """Rank 0 holds a response mixing versions (3 tokens) and one of one version (1 token), rank 1 one of each (4 and 2
+    tokens). Each rank's per-token mean over its mixed responses, times its weight, averaged over the 2 ranks, is the
+    mean over the batch's 7 mixed tokens (the scripts' async/mismatch_kl_mixed); likewise over the 3 others."""
+    batch = generator.GeneratedBatch(2, [[0], [1]], None, None, None, 1.0, 0.0,
+                                     [[[3, 3, 4], [2]], [[4, 4], [3, 4, 4, 4]]], {"in_flight": 1.0, "regenerated": 0})
+    kinds = [batch.version_kinds(rank, "cpu") for rank in (0, 1)]
+    assert [kinds[r]["mixed"][0].tolist() for r in (0, 1)] == [[True, False], [False, True]]
+    assert [kinds[r]["one_version"][0].tolist() for r in (0, 1)] == [[False, True], [True, False]]
+    assert [kinds[r]["mixed"][1] for r in (0, 1)] == [pytest.approx(6 / 7), pytest.approx(8 / 7)]
+    assert [kinds[r]["one_version"][1] for r in (0, 1)] == [pytest.approx(2 / 3), pytest.approx(4 / 3)]
+    # per-token values 1 on rank 0's mixed tokens, 8 on rank 1's: the batch's mean is (3 + 32) / 7 = 5
+    assert (kinds[0]["mixed"][1] * 1 + kinds[1]["mixed"][1] * 8) / 2 == pytest.approx(5)
+    assert batch._replace(stream=None).version_kinds(0, "cpu") == {}
 
 
 @pytest.mark.parametrize("model, reported", [("tiny", "as loaded"), ("tiny", "the old version"),
@@ -92,6 +123,61 @@ def test_each_tokens_log_probability_is_that_of_the_version_vllm_reports_for_it(
         assert differences.mean() <= weight_handoff.PROBE_TOLERANCE[False] and differences.max() <= 0.02, differences
     else:
         assert differences.max() > 0.02 and differences.mean() > weight_handoff.PROBE_TOLERANCE[False]
+
+
+def test_with_lora_each_response_is_its_adapters_and_old_adapters_leave_vllm(tmp_path):
+    """LoRA in streaming: vLLM cannot change a running request's adapter, so a version's adapter serves the requests
+    that start after its load. Two groups start under version 0's adapter, two more after version 1's load (4 decoding
+    steps in), then version 2 loads (10 steps in) with K = 1 and the next batch update 3's: version 0's groups, too old
+    for it, stop and wait to be generated again, and version 0's adapter leaves vLLM and its directory. Every response
+    is one version's, the one vLLM names, and each token's vLLM log-probability is peft's under that adapter."""
+    path = os.path.join(TINY, "sft")
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    args = rloo_vllm.Args(bf16=False, response_length=24, batch_size=8, temperature=1.0, vllm_enforce_eager=True,
+                          max_prompt_length=32, seed=1, lora_rank=8, generation="streaming", off_policy_steps=1)
+    args.world_size = 1
+    policy = data.with_lora(args, AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval())
+    models, generator_ = [], torch.Generator().manual_seed(0)
+    for version in range(3):  # each version's adapter a large step from the one before (a fresh one is the identity)
+        with torch.no_grad():
+            for name, parameter in policy.named_parameters():
+                if "lora_" in name:
+                    parameter.add_(torch.randn(parameter.shape, generator=generator_) * 0.05)
+        policy.save_pretrained(tmp_path / f"policy-{version}")
+        models.append(copy.deepcopy(policy).eval())
+    prompts = [tokenizer.encode(p) for p in PROMPTS]
+    llm = vllm_engine.start_vllm(args, path, lora_rank=8)
+    try:
+        adapter = vllm_engine.add_adapter(llm, 0, str(tmp_path / "policy-0"))
+        thread = generator.StreamingThread(args, llm, rloo_vllm.sampling_params, rloo_vllm.generating_version,
+                                           rloo_vllm.batch_prompts, weights_dir=str(tmp_path), train_prompts=prompts,
+                                           prompts_per_rank=4, k=2, stop_id=-1 % len(tokenizer), first_version=0,
+                                           off_policy_steps=1, probe=None, in_memory=False, adapter=adapter)
+        thread._submit(), thread._submit()
+        for step in range(1, 200):
+            if step == 4:
+                thread._load(1, str(tmp_path / "policy-1"), None, None)
+                assert thread._drop_old_adapters(oldest=0) == 0 and set(llm.llm_engine.list_loras()) == {1, 2}
+                thread._submit(), thread._submit()
+            if step == 10:
+                thread._load(2, str(tmp_path / "policy-2"), None, None)
+                assert thread._drop_old_adapters(oldest=1) == 2  # update 3's batch takes versions 1 and 2
+                assert set(llm.llm_engine.list_loras()) == {2, 3} and not (tmp_path / "policy-0").exists()
+                assert list(thread.again) == [0, 1] and set(thread.running) == {2, 3}
+            thread._step(2 if step >= 10 else 1 if step >= 4 else 0)
+            if not thread.running:
+                break
+    finally:
+        vllm_engine.shut_down(llm)
+    assert sorted(thread.done) == [2, 3]
+    for group in thread.done:
+        prompt = prompts[thread.untrained[group]]
+        for tokens, logprobs, token_versions in thread.samples[group]:
+            assert token_versions == [1] * len(tokens)
+            with torch.no_grad():
+                learner = _learner_logprobs(models[1], prompt, tokens)
+            difference = (torch.tensor(logprobs, dtype=torch.float64) - learner).abs()
+            assert difference.mean() <= weight_handoff.PROBE_TOLERANCE[False] and difference.max() <= 0.02, difference
 
 
 def test_a_resumed_stream_trains_every_prompt_it_drew_once(tmp_path):
@@ -161,3 +247,27 @@ def test_tba_streams_its_prefill_and_its_batches_and_logs_their_versions(tmp_pat
     assert rows[1]["async/token_staleness_max"] == 0 and rows[1]["buffer/staleness_max"] == 0
     assert all(0 <= row["async/token_staleness_min"] <= row["async/token_staleness_max"] <= 1 for row in rows[1:])
     assert all(0 <= row["async/mixed_version_responses"] <= 1 and row["async/vllm_in_flight"] > 0 for row in rows[1:])
+
+
+def test_rloo_vllm_learns_with_an_adapter_in_streaming_mode_and_resumes(tmp_path):
+    """test_lora's asynchronous LoRA run (adapter at 3e-3, checked every 2 updates), streaming: it learns, its weight
+    checks hold, each response is one adapter's (no response mixes versions), no token is more than K = 1 versions
+    behind, and a run resumed from its checkpoint at update 4 trains updates 5 and 6."""
+    command = ["rloo_vllm.py", "--generation", "streaming", "--lora-rank", "8", "--learning-rate", "3e-3",
+               "--vllm-enforce-eager", "--check-weights-every", "2", "--eval-every", "2", "--save-every", "2",
+               "--num-eval-prompts", "64", "--total-episodes", "384"]
+    whole = run_script(*command, "--output-dir", str(tmp_path / "whole"))
+    assert "its LoRA adapter" in whole.stdout and whole.stdout.count("weight check:") == 1
+    run_dir = run_dir_of(tmp_path / "whole")
+    rows = read_metrics(run_dir)
+    assert all(row["async/mixed_version_responses"] == 0 and row["async/token_staleness_max"] <= 1 for row in rows[1:])
+    assert rows[1]["async/token_staleness_max"] == 0
+    scores = [row["eval/scores"] for row in rows if "eval/scores" in row]
+    assert scores[-1] - scores[0] > 1.0, scores
+    shutil.rmtree(os.path.join(run_dir, "checkpoint-6"))
+    last = rows[-1]
+    run_script(*command, "--output-dir", str(tmp_path / "whole"), "--resume", run_dir)
+    resumed = read_metrics(run_dir)
+    assert [row["update"] for row in resumed] == list(range(7)) and resumed[6]["episode"] == last["episode"]
+    assert resumed[6]["time/episodes_per_second"] != last["time/episodes_per_second"]  # (updates 5 and 6 again)
+    assert all(row["async/mixed_version_responses"] == 0 for row in resumed[5:])
