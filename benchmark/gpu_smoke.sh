@@ -19,9 +19,9 @@
 # Expected time on one H200, imports included. Estimates from reading (one engine start, compiling from cold because
 # vLLM's compile cache is keyed by the model's path, which differs at every hand-off: about 1.5-2.7 min with its run),
 # not measured: each stage prints its time; put the figures here. A stage that starts vLLM starts at most two engines.
-#   stage:        1    2    3a   3b   4a   4b   4c   4d   5a   5b   6    7a   7b   8
-#   vLLM engines: 0    0    2    2    2    2    1    2    2    2    0    2    1    1
-#   minutes:      3.5-5  5-6.5  3.5-6  2.5-5  3-5.5  3-5.5  1.5-3  3.5-5.5  4-6  4-6  4-5  3-5.5  2-3.5  2-3
+#   stage:        1    2    3a   3b   4a   4b   4c   4d   4e   5a   5b   6    7a   7b   7c   8
+#   vLLM engines: 0    0    2    2    2    2    1    2    2    2    2    0    2    1    1    1
+#   minutes:      3.5-5  5-6.5  3.5-6  2.5-5  3-5.5  3-5.5  1.5-3  3.5-5.5  3-5.5  4-6  4-6  4-5  3-5.5  2-3.5  1.5-3  2-3
 #
 # Every *_vllm.py run checks at every update that vLLM holds the learner's weights (--check-weights-every 1) and
 # stops if not; the on-policy (--sync) runs also assert vLLM's log-probabilities against the learner's at every update.
@@ -37,7 +37,11 @@
 #         does: on stage 3a's run in DIR, or (DIR without it) on a run of online_dpo.py made here with HF generation.
 # 4a-4c (1 GPU, vLLM): rloo_vllm and ppo_vllm (4a), bok_vllm and grpo_vllm (4b), tba_vllm (4c): off-policy steps
 #         0,1,1,1, the per-GPU rates over the 1 GPU the run counts (runlog.run_gpus). 4d: rloo_vllm and ppo_vllm
-#         with a LoRA adapter: vLLM's LoRA kernels in bf16, the adapter alone handed off and checked.
+#         with a LoRA adapter: vLLM's LoRA kernels in bf16, the adapter alone handed off and checked. 4e: streaming
+#         generation (--generation streaming): rloo_vllm with each version sent over CUDA IPC into vLLM paused between
+#         decoding steps, its requests in flight computed again under the new weights (CUDA graphs on), every token
+#         at most K = 1 versions behind and the weight check's requests run amid the stream at every update;
+#         grpo_vllm with LoRA, K + 1 adapters served in one decoding step, no response mixing versions.
 # 5a (1 GPU, vLLM): rloo_vllm --sync in bf16 with async/mismatch_kl under 1e-2 at every update; on a real model
 #         (SmolLM2, tied embeddings) in float32, under 1e-5. 5b: rloo_vllm resumed within 1e-3.
 # 6 (2 GPUs, no vLLM): rloo.py and ppo.py under ZeRO-3 (collectives on NCCL, parameters gathered per module);
@@ -48,6 +52,7 @@
 #         through files; the per-GPU rates over 2 GPUs, vLLM's own counted). 7b: deepspeed --num_gpus 2
 #         rloo_vllm.py with vLLM sharing GPU 0: through files (CUDA IPC would strand a buffer on rank 1 at every
 #         update), said in one line, rank 1's GPU memory flat from update 3 to 48; the per-GPU rates over 2 GPUs.
+#         7c: stage 4e's streaming rloo_vllm with vLLM on GPU 1, each version sent over NCCL into the paused engine.
 # 8 (3 GPUs, vLLM): deepspeed --num_gpus 2 online_dpo_vllm.py with ZeRO-3: vLLM on GPU 2 (as the run reports it),
 #         K = 2 off-policy steps, weights gathered and handed over every update by NCCL; the per-GPU rates over 3 GPUs.
 set -uo pipefail
@@ -57,7 +62,7 @@ PYTHON=${PYTHON:-$([ -x .venv/bin/python ] && echo "$PWD/.venv/bin/python" || ec
 export PYTHON  # the checks' `bash -c` commands run "$PYTHON" too
 if ! "$PYTHON" -c "" 2>/dev/null; then echo "error: no Python at PYTHON=$PYTHON (set PYTHON to one)" >&2; exit 2; fi
 deepspeed() { "$PYTHON" -m deepspeed.launcher.runner "$@"; }  # the launcher of $PYTHON's DeepSpeed, on PATH or not
-all_stages="1 2 3a 3b 4a 4b 4c 4d 5a 5b 6 7a 7b 8"
+all_stages="1 2 3a 3b 4a 4b 4c 4d 4e 5a 5b 6 7a 7b 7c 8"
 stages=$all_stages
 if [ "${1:-}" = "--stage" ]; then
   stages=""
@@ -223,6 +228,17 @@ EOF
     esac
   done
 }
+streaming_ok() {  # streaming_ok <run output dir> <0|1>: the first batch all version 0, no token more than K = 1
+  # versions behind; 1: no response mixing versions (LoRA: a request keeps its adapter)
+  "$PYTHON" - "$@" <<'EOF'
+import glob, json, sys
+rows = [json.loads(line) for line in open(glob.glob(f"{sys.argv[1]}/*__*/metrics.jsonl")[0])][1:]
+mixed = [r["async/mixed_version_responses"] for r in rows]
+print("async/mixed_version_responses:", mixed, "async/token_staleness_max:", [r["async/token_staleness_max"] for r in rows])
+assert rows[0]["async/token_staleness_max"] == 0 and all(r["async/token_staleness_max"] <= 1 for r in rows)
+assert sys.argv[2] == "0" or not any(mixed), mixed
+EOF
+}
 stage4a() { vllm_runs rloo_vllm ppo_vllm; }
 stage4b() { vllm_runs bok_vllm grpo_vllm; }
 stage4c() { vllm_runs tba_vllm; }
@@ -232,6 +248,15 @@ stage4d() {
     check "1gpu_${script}_lora_metrics" metrics_ok "$out/1gpu_${script}_lora" 4 0 1 1 1
     check "1gpu_${script}_lora_handoff" grep -q "its LoRA adapter" "$out/1gpu_${script}_lora.log"
   done
+}
+stage4e() {
+  check 1gpu_rloo_vllm_streaming bash -c "$(declare -f run1); CUDA_VISIBLE_DEVICES=0 run1 rloo_vllm.py --generation streaming --weight-sync memory $vllm_flags --output-dir $out/1gpu_streaming"
+  check 1gpu_rloo_vllm_streaming_metrics metrics_ok "$out/1gpu_streaming" 4
+  check 1gpu_rloo_vllm_streaming_versions streaming_ok "$out/1gpu_streaming" 0
+  check 1gpu_streaming_weight_transfer_ipc grep -q "Creating weight transfer engine: IPCWeightTransferEngine" "$out/1gpu_rloo_vllm_streaming.log"
+  check 1gpu_grpo_vllm_streaming_lora bash -c "$(declare -f run1); CUDA_VISIBLE_DEVICES=0 run1 grpo_vllm.py --generation streaming --lora-rank 16 --learning-rate 3e-3 $vllm_flags --output-dir $out/1gpu_streaming_lora"
+  check 1gpu_grpo_vllm_streaming_lora_metrics metrics_ok "$out/1gpu_streaming_lora" 4
+  check 1gpu_grpo_vllm_streaming_lora_versions streaming_ok "$out/1gpu_streaming_lora" 1
 }
 stage5a() {
   # On-policy in bf16 vLLM and the learner differ only by their kernels' rounding: the KL per token stays below 1e-2
@@ -326,6 +351,12 @@ stage7b() {
   check 2gpu_rloo_vllm_shared_per_gpu per_gpu_ok "$out/2gpu_shared" 2  # two learners, vLLM on rank 0's
   check 2gpu_shared_2_ranks_through_files grep -q "training ranks: the weights go through files" "$out/2gpu_shared.log"
 }
+stage7c() {
+  check 2gpu_rloo_vllm_streaming_nccl bash -c "$(declare -f run1); CUDA_VISIBLE_DEVICES=0,1 run1 rloo_vllm.py --generation streaming $vllm_flags --output-dir $out/2gpu_streaming"
+  check 2gpu_rloo_vllm_streaming_nccl_metrics metrics_ok "$out/2gpu_streaming" 4
+  check 2gpu_rloo_vllm_streaming_nccl_versions streaming_ok "$out/2gpu_streaming" 0
+  check 2gpu_streaming_weight_transfer_nccl grep -q "Creating weight transfer engine: NCCLWeightTransferEngine" "$out/2gpu_rloo_vllm_streaming_nccl.log"
+}
 stage8() {
   check 3gpu_online_dpo_vllm deepspeed --num_gpus 2 online_dpo_vllm.py --deepspeed-config ds_configs/zero3.json \
     --bf16 $vllm_flags --off-policy-steps 2 --per-device-train-batch-size 32 --total-episodes 320 --eval-every 1 \
@@ -337,11 +368,12 @@ stage8() {
 }
 
 # What each stage imports (its scripts and their modules; evaluate.py's HF path none more), imported before it runs
-declare -A needs_gpus=([1]=1 [2]=1 [3a]=1 [3b]=1 [4a]=1 [4b]=1 [4c]=1 [4d]=1 [5a]=1 [5b]=1 [6]=2 [7a]=2 [7b]=2 [8]=3)
+declare -A needs_gpus=([1]=1 [2]=1 [3a]=1 [3b]=1 [4a]=1 [4b]=1 [4c]=1 [4d]=1 [4e]=1 [5a]=1 [5b]=1 [6]=2 [7a]=2 [7b]=2
+  [7c]=2 [8]=3)
 base="torch transformers deepspeed tyro datasets" with_vllm="torch transformers deepspeed tyro datasets vllm pynvml"
 declare -A needs_packages=([1]="$base peft" [2]="$base" [3a]="$with_vllm" [3b]="$with_vllm" [4a]="$with_vllm"
-  [4b]="$with_vllm" [4c]="$with_vllm" [4d]="$with_vllm peft" [5a]="$with_vllm" [5b]="$with_vllm" [6]="$base peft"
-  [7a]="$with_vllm" [7b]="$with_vllm" [8]="$with_vllm")
+  [4b]="$with_vllm" [4c]="$with_vllm" [4d]="$with_vllm peft" [4e]="$with_vllm peft" [5a]="$with_vllm"
+  [5b]="$with_vllm" [6]="$base peft" [7a]="$with_vllm" [7b]="$with_vllm" [7c]="$with_vllm" [8]="$with_vllm")
 declare -A unimportable=()  # package -> "" (not installed) or why its import failed; each imported once, all together
 while IFS=$'\t' read -r package why; do [ -n "$package" ] && unimportable[$package]=$why; done < <(
   for stage in $stages; do echo "${needs_packages[$stage]}"; done | tr ' ' '\n' | awk 'NF && !seen[$0]++' |

@@ -39,7 +39,8 @@ def test_a_stage_lacking_packages_says_skip_and_names_them(tmp_path):
         "SKIP stage 1: missing deepspeed; cannot import peft (ImportError: peft is broken here)",
         "SKIP stage 2: missing deepspeed",
         *(f"SKIP stage 4{s}: missing deepspeed, vllm, pynvml" for s in "abc"),
-        "SKIP stage 4d: missing deepspeed, vllm, pynvml; cannot import peft (ImportError: peft is broken here)",
+        *(f"SKIP stage 4{s}: missing deepspeed, vllm, pynvml; cannot import peft (ImportError: peft is broken here)"
+          for s in "de"),
         "SKIP stage 6: missing deepspeed; cannot import peft (ImportError: peft is broken here); it needs 2 GPU(s), "
         "this machine has 1",
     ], output
