@@ -526,9 +526,9 @@ def validate(args):
     if args.local_batch_size % args.k:
         fail("k", f"must divide the per-device batch of {args.local_batch_size} responses "
                        "(per_device_train_batch_size x gradient_accumulation_steps x num_mini_batches)")
-    for name in ("tool_call", "tool_result"):
-        if getattr(args, name).count("{}") != 1 or not all(getattr(args, name).split("{}")):
-            fail(name, f"must hold one `{{}}` with text before and after it, got {getattr(args, name)!r}")
+    for name, parts in (("tool_call", args.tool_call.split("{}")), ("tool_result", args.tool_result.split("{}"))):
+        if len(parts) != 2 or not parts[1] or not parts[0] and name == "tool_call":
+            fail(name, f"must hold one `{{}}` with text after it (a call, also before), got {getattr(args, name)!r}")
     for name in ("reward_model_path", "gold_reward_model_path") if args.rule_reward else ():
         if getattr(args, name) is not None:  # (a path the rule would leave unread)
             fail(name, f"--rule-reward {args.rule_reward} scores the episodes: no reward model (--rule-reward None)")

@@ -56,6 +56,31 @@ def test_a_call_gets_its_result_a_malformed_one_an_error_and_any_other_turn_ends
                                                                                    True)  # the result fills the episode
 
 
+@pytest.mark.slow  # (the smollm2 fixture builds the model on first use)
+def test_gsm8ks_calculator_format_fits_a_chat_models_tokenizer_and_an_end_of_several_tokens_stops_in_one_line(
+        smollm2, capsys):
+    """SmolLM2's tokenizer has no tool tokens: GSM8K's format (a call `<<47*38=`, its result `1786>>`) ends a call and
+    a result with one token each, and validates (a result needs no text before its value); the default `</calc>` is
+    three tokens there, found once the tokenizer has loaded, in one line naming --tool-call."""
+    import grpo_tools_vllm as script
+
+    tokenizer = AutoTokenizer.from_pretrained(os.path.join(smollm2, "model"))
+    args = script.Args(tool_call="<<{}=", tool_result="{}>>")
+    args.world_size = 1
+    script.validate(args)
+    calculator = script.make_calculator(args, tokenizer, tokenizer.eos_token_id)
+
+    def ids(text):
+        return tokenizer.encode(text, add_special_tokens=False)
+
+    assert script.environment_step(calculator, ids("I compute <<47*38="), 1, 20) == (ids("1786>>"), False)
+    assert script.environment_step(calculator, ids("47*38="), 1, 20) == (ids("error>>"), False)
+    with pytest.raises(SystemExit) as exit:
+        script.make_calculator(script.Args(), tokenizer, tokenizer.eos_token_id)
+    assert exit.value.code == 2
+    assert capsys.readouterr().err.startswith("error: --tool-call: '</calc>' is 3 tokens of the policy's tokenizer")
+
+
 def test_the_reward_reads_the_final_answer_of_an_answered_episode_only(env):
     """A number the calculator wrote is not the policy's answer; an episode without the stop token has none."""
     script, calculator, tokenizer = env
