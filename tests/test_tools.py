@@ -115,9 +115,10 @@ def test_the_tool_metrics_count_turns_calls_errors_and_the_turn_limit(env):
         "tools/accuracy_with_tool": 1 / 2, "tools/accuracy_without_tool": 0.0})
 
 
-# The script run with spies on what it calls: vLLM's turns (generate_batch: each turn's contexts and the ids and
-# log-probabilities vLLM returned), the log-probabilities' inputs (the ids the learner scores), the importance weights'
-# (behaviour log-probabilities and mask, in the batch's order) and the loss's mask (in the training step's order).
+# The script run with spies on what it calls: vLLM's turns (generate_batch: each turn's contexts, the ids and
+# log-probabilities vLLM returned and the LoRA adapter it was given), the log-probabilities' inputs (the ids the
+# learner scores), the importance weights' (behaviour log-probabilities and mask, in the batch's order) and the loss's
+# mask (in the training step's order).
 TOKEN_SPY = """
 import json, sys
 import grpo_tools_vllm as script
@@ -127,7 +128,7 @@ generate, logprobs, weights, loss = (script.generate_batch, script.response_logp
 
 def spy_generate(llm, prompts, k, sampling, adapter=None):
     outputs = generate(llm, prompts, k, sampling, adapter)
-    turns.append([prompts, outputs])
+    turns.append([prompts, outputs, getattr(adapter, "lora_name", None)])
     return outputs
 
 def spy_logprobs(logits, responses, temperature):
@@ -155,11 +156,11 @@ def expected_episodes(turns):
     for an episode vLLM went on with (its context of turn 2 starts with its prompt and turn 1), what that context
     holds after them (the environment's ids) and turn 2's ids. (ids, mask: 1 sampled, 0 appended, behaviour
     log-probabilities: vLLM's, 0 appended) per episode, and how many had two turns."""
-    (prompts, first), *later = turns
+    (prompts, first, _), *later = turns
     episodes = [[list(tokens), [1] * len(tokens), list(logprobs)] for tokens, logprobs in first]
     assert len(later) <= 1, "--max-turns 2"
     start = 0
-    for context, (tokens, logprobs) in zip(*later[0]) if later else []:
+    for context, (tokens, logprobs) in zip(*later[0][:2]) if later else []:
         n = next(n for n in range(start, len(episodes)) if context[: len(prompts[n]) + len(episodes[n][0])]
                  == prompts[n] + episodes[n][0])  # the live episodes keep their order
         appended = context[len(prompts[n]) + len(episodes[n][0]):]
@@ -174,16 +175,19 @@ def padded(values, width, pad):
 
 
 @pytest.mark.slow
-def test_the_learner_trains_on_the_ids_vllm_sampled_and_the_environment_appended_its_tokens_masked(tmp_path):
+@pytest.mark.parametrize("lora", [[], ["--lora-rank", "8"]], ids=["full", "lora"])
+def test_the_learner_trains_on_the_ids_vllm_sampled_and_the_environment_appended_its_tokens_masked(tmp_path, lora):
     """A batch of 32 episodes of at most two turns (--sync: vLLM samples with the learner's weights): the ids each
     training row holds and its loss mask equal, position by position, vLLM's turns and the environment's result
     between them, with 0 on every appended token and on the padding; the importance weights get the same mask and, as
-    behaviour log-probabilities, vLLM's for the policy's tokens; the mismatch is vLLM's numerical one alone."""
-    result, errors = run_patched(TOKEN_SPY, "--max-turns", "2", "--k", "4", "--total-episodes", "32",
+    behaviour log-probabilities, vLLM's for the policy's tokens; the mismatch is vLLM's numerical one alone. With LoRA,
+    every turn is sampled under the policy's adapter (version 0's), not the base model."""
+    result, errors = run_patched(TOKEN_SPY, *lora, "--max-turns", "2", "--k", "4", "--total-episodes", "32",
                                  "--per-device-train-batch-size", "32", "--sync", "--eval-every", "0",
                                  "--num-eval-prompts", "8", "--vllm-enforce-eager", "--output-dir", str(tmp_path))
     assert result.returncode == 0 and not errors, result.stderr[-3000:]
     record = json.loads(next(line for line in result.stdout.splitlines() if line.startswith("RECORD "))[7:])
+    assert {adapter for _, _, adapter in record["turns"]} == {"policy-0" if lora else None}
     episodes, two_turns = expected_episodes(record["turns"])
     assert len(episodes) == 32 and two_turns >= 2, two_turns  # the SFT policy calls the tool in about 30 %
     pad = AutoTokenizer.from_pretrained(os.path.join(TOOLS, "sft")).pad_token_id
