@@ -17,8 +17,10 @@ WHOLE_BATCH = ["rloo_vllm.py", "ppo_vllm.py", "grpo_vllm.py", "bok_vllm.py"]
 
 
 def _mismatch_call(script):
-    (call,) = [node for node in ast.walk(definitions(script)["main"][0]) if isinstance(node, ast.Call)
-               and isinstance(node.func, ast.Name) and node.func.id == "mismatch_kl"]
+    """The arguments of the mismatch_kl call logged as async/mismatch_kl (streaming adds others, over some responses)."""
+    (call,) = [value for node in ast.walk(definitions(script)["main"][0]) if isinstance(node, ast.Dict)
+               for key, value in zip(node.keys, node.values)
+               if isinstance(key, ast.Constant) and key.value == "async/mismatch_kl"]
     return ", ".join(ast.unparse(argument) for argument in call.args)
 
 
