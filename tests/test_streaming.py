@@ -125,13 +125,15 @@ def test_each_tokens_log_probability_is_that_of_the_version_vllm_reports_for_it(
         assert differences.max() > 0.02 and differences.mean() > weight_handoff.PROBE_TOLERANCE[False]
 
 
-def test_with_lora_each_response_is_its_adapters_and_old_adapters_leave_vllm(tmp_path):
+@pytest.mark.parametrize("model", ["tiny", "smollm2"])
+def test_with_lora_each_response_is_its_adapters_and_old_adapters_leave_vllm(tmp_path, request, model):
     """LoRA in streaming: vLLM cannot change a running request's adapter, so a version's adapter serves the requests
     that start after its load. Two groups start under version 0's adapter, two more after version 1's load (4 decoding
     steps in), then version 2 loads (10 steps in) with K = 1 and the next batch update 3's: version 0's groups, too old
     for it, stop and wait to be generated again, and version 0's adapter leaves vLLM and its directory. Every response
-    is one version's, the one vLLM names, and each token's vLLM log-probability is peft's under that adapter."""
-    path = os.path.join(TINY, "sft")
+    is one version's, the one vLLM names, and each token's vLLM log-probability is peft's under that adapter (on the
+    tiny model and on SmolLM2, tied embeddings)."""
+    path = os.path.join(TINY, "sft") if model == "tiny" else os.path.join(request.getfixturevalue("smollm2"), "model")
     tokenizer = AutoTokenizer.from_pretrained(path)
     args = rloo_vllm.Args(bf16=False, response_length=24, batch_size=8, temperature=1.0, vllm_enforce_eager=True,
                           max_prompt_length=32, seed=1, lora_rank=8, generation="streaming", off_policy_steps=1)
