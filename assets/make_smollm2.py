@@ -14,7 +14,11 @@ The task: "What is 3 + 5?" and three other phrasings of the sum of two one-digit
 chat, with the answer in `answer` (scored by `--rule-reward last_number`). The 81 pairs (1-9 each) are
 split by pair: 57 for training, 24 held out, so the test measures arithmetic, not memory.
 
-    python assets/make_smollm2.py          # about a minute; writes assets/smollm2/{model,data}
+The tool task (`tools/`, grpo_tools_vllm.py's on a real model): products of two two-digit numbers, with a system
+prompt that describes the calculator in GSM8K's format (`<<47*38=` is a call, the environment appends `1786>>`; in
+SmolLM2's tokenizer `=` and `>>` are one token each) and shows one call. Train and test use disjoint pairs.
+
+    python assets/make_smollm2.py          # about a minute; writes assets/smollm2/{model,data,tools}
 """
 
 import argparse
@@ -32,6 +36,9 @@ OUT = os.path.join(HERE, "smollm2")
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 PHRASINGS = ["What is {a} + {b}?", "What is the sum of {a} and {b}?", "Add {a} and {b}.", "Compute {a} + {b}."]
 NUM_TEST_PAIRS = 24
+TOOL_SYSTEM = ("You have a calculator. To use it, write << then the expression then =, and stop: the calculator "
+               "writes the result and >>. For example: <<12*34=408>> The answer is 408. Use it for every product, "
+               "then give the answer as a number.")
 
 
 def gguf_directory():
@@ -67,17 +74,30 @@ def build_data(out):
             f.writelines(json.dumps(row) + "\n" for row in rows)
 
 
+def build_tools_data(out):
+    """Products of two two-digit numbers (2,000 pairs to train on, 256 held out), with the calculator's system prompt."""
+    pairs = [(a, b) for a in range(11, 100) for b in range(11, 100)]
+    random.Random(0).shuffle(pairs)
+    os.makedirs(out, exist_ok=True)
+    for split, split_pairs in (("test", pairs[:256]), ("train", pairs[256:2256])):
+        rows = [{"messages": [{"role": "system", "content": TOOL_SYSTEM},
+                              {"role": "user", "content": f"What is {a} * {b}?"}], "answer": str(a * b)}
+                for a, b in split_pairs]
+        with open(os.path.join(out, f"{split}.jsonl"), "w") as f:
+            f.writelines(json.dumps(row) + "\n" for row in rows)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default=OUT, help="where to write model/ and data/")
+    parser.add_argument("--out", default=OUT, help="where to write model/, data/ and tools/")
     out = parser.parse_args().out
-    for name, build in (("model", build_model), ("data", build_data)):
+    for name, build in (("model", build_model), ("data", build_data), ("tools", build_tools_data)):
         tmp = os.path.join(out, name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
         build(tmp)
         shutil.rmtree(os.path.join(out, name), ignore_errors=True)
         os.replace(tmp, os.path.join(out, name))  # whole or absent: a build cut short leaves no half model
-    print(f"wrote {out}/model and {out}/data")
+    print(f"wrote {out}/model, {out}/data and {out}/tools")
 
 
 if __name__ == "__main__":
