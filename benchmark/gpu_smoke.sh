@@ -19,9 +19,9 @@
 # Expected time on one H200, imports included. Estimates from reading (one engine start, compiling from cold because
 # vLLM's compile cache is keyed by the model's path, which differs at every hand-off: about 1.5-2.7 min with its run),
 # not measured: each stage prints its time; put the figures here. A stage that starts vLLM starts at most two engines.
-#   stage:        1    2    3a   3b   4a   4b   4c   4d   4e   5a   5b   6    7a   7b   7c   8
-#   vLLM engines: 0    0    2    2    2    2    1    2    2    2    2    0    2    1    1    1
-#   minutes:      3.5-5  5-6.5  3.5-6  2.5-5  3-5.5  3-5.5  1.5-3  3.5-5.5  3-5.5  4-6  4-6  4-5  3-5.5  2-3.5  1.5-3  2-3
+#   stage:        1    2    3a   3b   4a   4b   4c   4d   4e   4f   5a   5b   6    7a   7b   7c   8
+#   vLLM engines: 0    0    2    2    2    2    1    2    2    2    2    2    0    2    1    1    1
+#   minutes:      3.5-5  5-6.5  3.5-6  2.5-5  3-5.5  3-5.5  1.5-3  3.5-5.5  3-5.5  3-5.5  4-6  4-6  4-5  3-5.5  2-3.5  1.5-3  2-3
 #
 # Every *_vllm.py run checks at every update that vLLM holds the learner's weights (--check-weights-every 1) and
 # stops if not; the on-policy (--sync) runs also assert vLLM's log-probabilities against the learner's at every update.
@@ -41,7 +41,9 @@
 #         generation (--generation streaming): rloo_vllm with each version sent over CUDA IPC into vLLM paused between
 #         decoding steps, its requests in flight computed again under the new weights (CUDA graphs on), every token
 #         at most K = 1 versions behind and the weight check's requests run amid the stream at every update;
-#         grpo_vllm with LoRA, K + 1 adapters served in one decoding step, no response mixing versions.
+#         grpo_vllm with LoRA, K + 1 adapters served in one decoding step, no response mixing versions. 4f:
+#         grpo_tools_vllm (episodes of turns with the calculator): every turn sampled by vLLM in bf16 and the
+#         environment's tokens appended, masked out of the loss; with a LoRA adapter, every turn under it.
 # 5a (1 GPU, vLLM): rloo_vllm --sync in bf16 with async/mismatch_kl under 1e-2 at every update; on a real model
 #         (SmolLM2, tied embeddings) in float32, under 1e-5. 5b: rloo_vllm resumed within 1e-3.
 # 6 (2 GPUs, no vLLM): rloo.py and ppo.py under ZeRO-3 (collectives on NCCL, parameters gathered per module);
@@ -62,7 +64,7 @@ PYTHON=${PYTHON:-$([ -x .venv/bin/python ] && echo "$PWD/.venv/bin/python" || ec
 export PYTHON  # the checks' `bash -c` commands run "$PYTHON" too
 if ! "$PYTHON" -c "" 2>/dev/null; then echo "error: no Python at PYTHON=$PYTHON (set PYTHON to one)" >&2; exit 2; fi
 deepspeed() { "$PYTHON" -m deepspeed.launcher.runner "$@"; }  # the launcher of $PYTHON's DeepSpeed, on PATH or not
-all_stages="1 2 3a 3b 4a 4b 4c 4d 4e 5a 5b 6 7a 7b 7c 8"
+all_stages="1 2 3a 3b 4a 4b 4c 4d 4e 4f 5a 5b 6 7a 7b 7c 8"
 stages=$all_stages
 if [ "${1:-}" = "--stage" ]; then
   stages=""
@@ -91,7 +93,7 @@ rows = [json.loads(line) for line in open(path)]
 assert [r["update"] for r in rows] == list(range(updates + 1)), [r["update"] for r in rows]
 bad = [(r["update"], k, v) for r in rows for k, v in r.items() if not math.isfinite(v)]
 assert not bad, bad
-assert "eval/gold_scores" in rows[-1]
+assert "eval/scores" in rows[-1]  # evaluated at the end (a rule reward has no gold score)
 if steps:
     assert [r["async/off_policy_steps"] for r in rows[1:]] == steps, [r["async/off_policy_steps"] for r in rows[1:]]
 print(json.dumps(rows[-1]))
@@ -258,6 +260,23 @@ stage4e() {
   check 1gpu_grpo_vllm_streaming_lora_metrics metrics_ok "$out/1gpu_streaming_lora" 4
   check 1gpu_grpo_vllm_streaming_lora_versions streaming_ok "$out/1gpu_streaming_lora" 1
 }
+episodes_ok() {  # episodes_ok <run output dir>: at every update some episodes took a second turn after a result
+  "$PYTHON" - "$@" <<'EOF'
+import glob, json, sys
+rows = [json.loads(line) for line in open(glob.glob(f"{sys.argv[1]}/*__*/metrics.jsonl")[0])][1:]
+print("tools/turns:", [round(r["tools/turns"], 2) for r in rows], "tools/environment_tokens:",
+      [round(r["tools/environment_tokens"], 2) for r in rows])
+assert all(r["tools/turns"] > 1 and r["tools/environment_tokens"] > 0 for r in rows)
+EOF
+}
+stage4f() {
+  for lora in "" "--lora-rank 16 --learning-rate 3e-3"; do
+    local name=1gpu_grpo_tools_vllm${lora:+_lora}
+    check "$name" bash -c "$(declare -f run1); CUDA_VISIBLE_DEVICES=0 run1 grpo_tools_vllm.py $lora $vllm_flags --output-dir $out/$name"
+    check "${name}_metrics" metrics_ok "$out/$name" 4 0 1 1 1
+    check "${name}_episodes" episodes_ok "$out/$name"
+  done
+}
 stage5a() {
   # On-policy in bf16 vLLM and the learner differ only by their kernels' rounding: the KL per token stays below 1e-2
   # unless vLLM holds other weights (measured on CPU in bf16, SmolLM2 --sync: 2.3e-3 to 3.7e-3; float32: 5e-9).
@@ -368,11 +387,11 @@ stage8() {
 }
 
 # What each stage imports (its scripts and their modules; evaluate.py's HF path none more), imported before it runs
-declare -A needs_gpus=([1]=1 [2]=1 [3a]=1 [3b]=1 [4a]=1 [4b]=1 [4c]=1 [4d]=1 [4e]=1 [5a]=1 [5b]=1 [6]=2 [7a]=2 [7b]=2
-  [7c]=2 [8]=3)
+declare -A needs_gpus=([1]=1 [2]=1 [3a]=1 [3b]=1 [4a]=1 [4b]=1 [4c]=1 [4d]=1 [4e]=1 [4f]=1 [5a]=1 [5b]=1 [6]=2 [7a]=2
+  [7b]=2 [7c]=2 [8]=3)
 base="torch transformers deepspeed tyro datasets" with_vllm="torch transformers deepspeed tyro datasets vllm pynvml"
 declare -A needs_packages=([1]="$base peft" [2]="$base" [3a]="$with_vllm" [3b]="$with_vllm" [4a]="$with_vllm"
-  [4b]="$with_vllm" [4c]="$with_vllm" [4d]="$with_vllm peft" [4e]="$with_vllm peft" [5a]="$with_vllm"
+  [4b]="$with_vllm" [4c]="$with_vllm" [4d]="$with_vllm peft" [4e]="$with_vllm peft" [4f]="$with_vllm peft" [5a]="$with_vllm"
   [5b]="$with_vllm" [6]="$base peft" [7a]="$with_vllm" [7b]="$with_vllm" [7c]="$with_vllm" [8]="$with_vllm")
 declare -A unimportable=()  # package -> "" (not installed) or why its import failed; each imported once, all together
 while IFS=$'\t' read -r package why; do [ -n "$package" ] && unimportable[$package]=$why; done < <(
