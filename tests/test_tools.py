@@ -14,6 +14,7 @@ from conftest import ROOT, algorithm_metrics, read_metrics, run_dir_of, run_patc
 from transformers import AutoTokenizer
 
 from calculator import calculate
+from data import load_tokenizer
 
 TOOLS = os.path.join(ROOT, "assets", "tiny_tools")
 
@@ -174,23 +175,34 @@ def padded(values, width, pad):
     return values + [pad] * (width - len(values))
 
 
+# SmolLM2 as it ships (tied embeddings, pad == EOS, a chat template) on its sums, with a call it writes untaught: a turn
+# ends at ` =` (one token of its tokenizer, as in `1 + 3 = 4`), the calculator reads what follows the last `+` (` 3`)
+# and appends ` 3.`, whose tokens the policy goes on from.
+SMOLLM2_TOOLS = ["--dataset-name", "assets/smollm2/data", "--tool-call", "+{} =", "--tool-result", " {}."]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("lora", [[], ["--lora-rank", "8"]], ids=["full", "lora"])
-def test_the_learner_trains_on_the_ids_vllm_sampled_and_the_environment_appended_its_tokens_masked(tmp_path, lora):
+@pytest.mark.parametrize("model,lora", [("tiny", []), ("tiny", ["--lora-rank", "8"]), ("smollm2", [])],
+                         ids=["full", "lora", "smollm2"])
+def test_the_learner_trains_on_the_ids_vllm_sampled_and_the_environment_appended_its_tokens_masked(
+        tmp_path, request, model, lora):
     """A batch of 32 episodes of at most two turns (--sync: vLLM samples with the learner's weights): the ids each
     training row holds and its loss mask equal, position by position, vLLM's turns and the environment's result
     between them, with 0 on every appended token and on the padding; the importance weights get the same mask and, as
     behaviour log-probabilities, vLLM's for the policy's tokens; the mismatch is vLLM's numerical one alone. With LoRA,
-    every turn is sampled under the policy's adapter (version 0's), not the base model."""
-    result, errors = run_patched(TOKEN_SPY, *lora, "--max-turns", "2", "--k", "4", "--total-episodes", "32",
+    every turn is sampled under the policy's adapter (version 0's), not the base model. On the tiny tool task and on
+    SmolLM2."""
+    path = os.path.join(TOOLS, "sft") if model == "tiny" else os.path.join(request.getfixturevalue("smollm2"), "model")
+    task = [] if model == "tiny" else ["--sft-model-path", path, *SMOLLM2_TOOLS]
+    result, errors = run_patched(TOKEN_SPY, *task, *lora, "--max-turns", "2", "--k", "4", "--total-episodes", "32",
                                  "--per-device-train-batch-size", "32", "--sync", "--eval-every", "0",
                                  "--num-eval-prompts", "8", "--vllm-enforce-eager", "--output-dir", str(tmp_path))
     assert result.returncode == 0 and not errors, result.stderr[-3000:]
     record = json.loads(next(line for line in result.stdout.splitlines() if line.startswith("RECORD "))[7:])
     assert {adapter for _, _, adapter in record["turns"]} == {"policy-0" if lora else None}
     episodes, two_turns = expected_episodes(record["turns"])
-    assert len(episodes) == 32 and two_turns >= 2, two_turns  # the SFT policy calls the tool in about 30 %
-    pad = AutoTokenizer.from_pretrained(os.path.join(TOOLS, "sft")).pad_token_id
+    assert len(episodes) == 32 and two_turns >= 2, two_turns  # the tiny SFT policy calls the tool in about 30 %
+    pad = load_tokenizer(path, False).pad_token_id  # SmolLM2's own is EOS: the script's [PAD], past its vocabulary
     (responses, mask), = record["trained"]  # one step: the rows in the step's order
     width = len(responses[0])
     expected = sorted((padded(ids, width, pad), padded(own, width, 0)) for ids, own, _ in episodes)
@@ -238,6 +250,36 @@ def test_the_tiny_tool_task_raises_accuracy_and_tool_use_and_resumes_exactly(tmp
     run_script(*LEARN, "--resume", str(resumed / f"checkpoint-{RESUMED_AT}"))
     expected, got = algorithm_metrics(rows), algorithm_metrics(read_metrics(resumed))
     assert [row["update"] for row in got] == list(range(LEARN_UPDATES + 1))
+    for a, b in zip(expected, got):
+        assert a.keys() == b.keys()
+        for key in a:
+            assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-6), (a["update"], key)
+
+
+@pytest.mark.slow
+def test_two_ranks_train_their_own_episodes_and_resume_them_exactly(tmp_path):
+    """Two DeepSpeed ranks, vLLM on rank 0 playing both ranks' episodes, one update late and the weights checked at
+    every hand-off: four updates of 2 x 16 episodes; resumed from checkpoint-2, whose batch in flight holds each
+    rank's episodes with the environment's tokens marked, updates 3 and 4 are the uninterrupted run's."""
+    from test_scripts_run import free_port, launch_two_processes
+
+    command = ["grpo_tools_vllm.py", "--max-turns", "2", "--per-device-train-batch-size", "16", "--total-episodes",
+               "128", "--save-every", "2", "--check-weights-every", "1", "--eval-every", "0", "--num-eval-prompts", "32",
+               "--vllm-enforce-eager", "--output-dir", str(tmp_path / "run")]
+    launch_two_processes(tmp_path, free_port(), command, nodes=1)
+    run_dir = run_dir_of(tmp_path / "run")
+    rows = read_metrics(run_dir)
+    assert [row["update"] for row in rows] == list(range(5)) and rows[-1]["episode"] == 128
+    assert [row["async/off_policy_steps"] for row in rows[1:]] == [0, 1, 1, 1]
+    assert all(row["tools/environment_tokens"] > 0 for row in rows[1:])
+    with open(os.path.join(run_dir, "checkpoint-2", "generated_batches.json")) as f:
+        (kept,) = json.load(f)
+    assert len(kept["sampled"]) == 2 and all(any(0 in own for own in rank) for rank in kept["sampled"])
+    resumed = tmp_path / "resumed" / os.path.basename(run_dir)
+    shutil.copytree(run_dir, resumed, ignore=shutil.ignore_patterns("checkpoint-4"))
+    launch_two_processes(tmp_path, free_port(), [*command, "--resume", str(resumed / "checkpoint-2")], nodes=1)
+    expected, got = algorithm_metrics(rows), algorithm_metrics(read_metrics(resumed))
+    assert [row["update"] for row in got] == list(range(5))
     for a, b in zip(expected, got):
         assert a.keys() == b.keys()
         for key in a:
