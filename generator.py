@@ -5,7 +5,8 @@ generated but not yet trained on kept in checkpoints, so a resumed run is exact.
 (StreamingThread) vLLM generates without batch boundaries, loads each version while responses are in flight and
 reports each token's version; K then bounds every token's staleness. Nothing here changes what is learned: the script
 passes its schedule (generating_version: the paper's K), its sampling request (sampling_params) and its choice of each
-batch's prompts (batch_prompts), and a multi-turn script its episodes (rollout)."""
+batch's prompts (batch_prompts), and a multi-turn script its episodes (rollout; streaming, its environment after each
+turn)."""
 
 import atexit
 import collections
@@ -52,10 +53,12 @@ class AsyncGeneration:
     (vllm_engine.swap_adapter); the base weights are never reloaded. `sample` is the script's sampling request
     (sampling_params); a multi-turn script passes `rollout` instead, its episodes of turns: rollout(llm, prompts, k,
     seed, adapter) gives each request's token ids, log-probabilities and which tokens the policy sampled (1) or the
-    environment appended (0), request n's first seed being seed + n, as batch mode's. The weight check compares the
-    log-probabilities of the first train prompts (the probe)."""
+    environment appended (0), request n's first seed being seed + n, as batch mode's; streaming, it passes
+    `environment` too, which StreamingThread calls after each turn of an episode (`sample` then being a turn's
+    request). The weight check compares the log-probabilities of the first train prompts (the probe)."""
 
-    def __init__(self, args, policy, run_dir, train_prompts, schedule, sample, choose_prompts, prefill=0, rollout=None):
+    def __init__(self, args, policy, run_dir, train_prompts, schedule, sample, choose_prompts, prefill=0, rollout=None,
+                 environment=None):
         start_update = resumed_update(args)
         tokenizer = load_tokenizer(args.sft_model_path, args.trust_remote_code)
         stop_id, k = stop_token_id(args, tokenizer), getattr(args, "k", 1)  # (PPO samples one response a prompt)
@@ -105,7 +108,8 @@ class AsyncGeneration:
             print(f"the policy goes to vLLM after each update {'in memory' if self.in_memory else 'as files'}: "
                   f"{'its LoRA adapter, ' if lora else ''}{version_bytes / 2**20:.1f} MiB", flush=True)
             resumed = load_generated_batches(latest_checkpoint(args.resume)) if args.resume else []
-            streaming = {"resumed_stream": load_stream_state(latest_checkpoint(args.resume)) if args.resume else None}
+            streaming = {"resumed_stream": load_stream_state(latest_checkpoint(args.resume)) if args.resume else None,
+                         "environment": environment}
             self.thread = (StreamingThread if self.streaming else GenerationThread)(
                 args, llm, sample, schedule, choose_prompts, weights_dir=self.weights_dir, train_prompts=train_prompts,
                 prompts_per_rank=args.local_batch_size // k, k=k, stop_id=stop_id, first_version=start_update,
@@ -237,10 +241,13 @@ class GeneratedBatch(NamedTuple):
         its tokens' staleness (versions behind the policy trained), the share of responses holding more than one
         version, vLLM's mean requests in flight and the prompts generated again since the last batch, and the share of
         its tokens at each staleness (async/tokens_stale_<versions>, runlog's wandb histogram). Batch mode: none (every
-        token is the batch's version: async/off_policy_steps)."""
+        token is the batch's version: async/off_policy_steps). Episodes: the policy's tokens only."""
         if self.stream is None:
             return {}
         responses = [response for rank in self.token_versions for response in rank]
+        if self.sampled is not None:  # (the environment's tokens: read, not sampled, by the policy)
+            own = [response for rank in self.sampled for response in rank]
+            responses = [[v for v, s in zip(versions, flags) if s] for versions, flags in zip(responses, own)]
         staleness = torch.tensor([update - 1 - v for response in responses for v in response], dtype=torch.float64)
         shares = {f"async/tokens_stale_{s}": (staleness == s).double().mean().item()
                   for s in range(int(staleness.max()) + 1)}
@@ -450,10 +457,20 @@ class StreamingThread(GenerationThread):
     prompts drawn but not yet trained on, which a resumed run generates first (none lost, none twice). With LoRA a
     request keeps the adapter it started with (vLLM cannot change it): a new version's adapter serves the requests that
     start after its load, all of a response's tokens are its adapter's version, and an adapter goes once no request
-    uses it (requests too old for the next batch are stopped at a load and generated again)."""
+    uses it (requests too old for the next batch are stopped at a load and generated again).
 
-    def __init__(self, *args, resumed_stream=None, **kwargs):
+    Episodes of turns (a multi-turn script's `environment`): each turn is a request, the script's `sample` its request
+    (sample(room, stop_id, temperature, seed)), and when one ends, environment(turn's ids, turn, room left) gives the
+    ids to append and whether the episode ends; if not, its next turn starts at once from the prompt, the ids vLLM
+    sampled and the environment's (token in, token out), under the version vLLM holds (with LoRA the newest adapter),
+    so no episode waits for another's turns. The environment's tokens carry the version of the turn they answer but
+    do not count in the staleness (GeneratedBatch.sampled 0); a group generated again, or resumed, starts from its
+    prompt."""
+
+    def __init__(self, *args, resumed_stream=None, environment=None, **kwargs):
         super().__init__(*args, **kwargs)
+        self.environment = environment  # (episodes: the script's environment after each turn)
+        self.episodes = {}  # {"group/j": [ids, logprobs, versions, sampled, turns, first seed, adapter version]}
         self.wanted = queue.Queue()  # versions the learner wants to send in memory (wait_for_receiver())
         self.lock = threading.Lock()  # guards what a checkpoint keeps (state())
         state = resumed_stream or {"next_batch": self.prefill + self.first_update, "next_in_batch": 0,
@@ -491,9 +508,6 @@ class StreamingThread(GenerationThread):
     def _submit(self):
         """Start the next group: one to generate again, else the next prompt in the script's order. Request n of the
         run (resumed runs go on counting) has seed + n, past every seed of batch mode's."""
-        from vllm.inputs import TokensPrompt
-        from vllm.sampling_params import RequestOutputKind
-
         args = self.args
         with self.lock:
             if self.again:
@@ -507,14 +521,43 @@ class StreamingThread(GenerationThread):
                 self.next_batch += self.next_in_batch == 0
             first, self.requests = self.requests, self.requests + self.k
         for j in range(self.k):
-            sampling = self.sample(args.response_length, self.stop_id, args.temperature,
-                                   args.seed * 2**32 + 2**31 + first + j)
-            sampling.output_kind = RequestOutputKind.FINAL_ONLY
-            self.llm.llm_engine.add_request(f"{group}/{j}", TokensPrompt(
-                prompt_token_ids=self.train_prompts[self.untrained[group]]), sampling, lora_request=self.adapter)
+            self._add(f"{group}/{j}", self.train_prompts[self.untrained[group]], args.response_length,
+                      args.seed * 2**32 + 2**31 + first + j)
         self.running[group], self.samples[group] = self.k, [None] * self.k
         if self.adapter is not None:
             self.group_versions[group] = int(self.adapter.lora_name.removeprefix("policy-"))
+
+    def _add(self, request, prompt, room, seed):
+        """One request to vLLM: the script's sampling request, under the adapter of the version vLLM holds last. An
+        episode's first turn starts its state; turn t takes seed + (t - 1) * 2**44, past every first turn's."""
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        if self.environment is not None:
+            state = self.episodes.setdefault(request, [[], [], [], [], 0, seed, None])
+            state[4] += 1
+            seed, state[6] = state[5] + (state[4] - 1) * 2**44, self.adapter and self.adapter.lora_name
+        sampling = self.sample(room, self.stop_id, self.args.temperature, seed)
+        sampling.output_kind = RequestOutputKind.FINAL_ONLY
+        self.llm.llm_engine.add_request(request, TokensPrompt(prompt_token_ids=prompt), sampling,
+                                        lora_request=self.adapter)
+
+    def _turn_ended(self, request, tokens, logprobs, versions):
+        """An episode's turn ended: the environment's ids appended, then its next turn started, or the episode's
+        (ids, log-probabilities, versions, sampled) returned."""
+        ids, episode_logprobs, episode_versions, sampled, turn, _, _ = state = self.episodes[request]
+        room = self.args.response_length - len(ids) - len(tokens)
+        result, done = self.environment(tokens, turn, room)
+        ids += tokens + result
+        episode_logprobs += logprobs + [0.0] * len(result)
+        episode_versions += versions + versions[-1:] * len(result)  # the version of the turn it answers
+        sampled += [1] * len(tokens) + [0] * len(result)
+        if not done:
+            self._add(request, self.train_prompts[self.untrained[int(request.split("/")[0])]] + ids, room - len(result),
+                      None)
+            return None
+        del self.episodes[request]
+        return state[:4]
 
     def _step(self, loaded, probe=None):
         """One decoding step of vLLM; the responses it finished go to their groups, a group whose k have finished to
@@ -528,6 +571,10 @@ class StreamingThread(GenerationThread):
             group, j = map(int, output.request_id.split("/"))
             tokens, logprobs = sampled_tokens(output.outputs[0])
             self.samples[group][j] = (tokens, logprobs, token_versions(output, loaded))
+            if self.environment is not None:
+                self.samples[group][j] = self._turn_ended(output.request_id, *self.samples[group][j])
+                if self.samples[group][j] is None:  # its next turn is in flight
+                    continue
             self.running[group] -= 1
             if not self.running[group]:
                 del self.running[group]
@@ -583,7 +630,10 @@ class StreamingThread(GenerationThread):
         for group in stale:
             del self.running[group], self.samples[group]
             self.again.append(group)
-        used = {self.group_versions[group] for group in self.running} | {max(self.adapters)}
+        self.episodes = {request: state for request, state in self.episodes.items()
+                         if int(request.split("/")[0]) in self.running}
+        used = ({self.group_versions[group] for group in self.running} | {max(self.adapters)}
+                | {int(state[6].removeprefix("policy-")) for state in self.episodes.values()})  # (episodes' turns)
         for version in [version for version in self.adapters if version not in used]:
             drop_adapter(self.llm, self.adapters.pop(version))
         return len(stale)
@@ -610,6 +660,7 @@ class StreamingThread(GenerationThread):
                 if update > args.num_updates and self.running:  # the last batch is out: the rest is not needed
                     self.llm.llm_engine.abort_request([f"{group}/{j}" for group in self.running for j in range(self.k)])
                     self.running.clear()
+                    self.episodes.clear()
                 # New prompts while their tokens can be trained on: version `loaded`'s may go into the batches of
                 # updates up to loaded + 1 + K.
                 last = min(loaded + 1 + self.off_policy_steps, args.num_updates)
@@ -648,15 +699,16 @@ class StreamingThread(GenerationThread):
         """A GeneratedBatch of finished groups, rank r taking groups r * prompts_per_rank to (r + 1) * prompts_per_rank,
         sample-major like batch mode's; its version is the oldest of its tokens'."""
         ranks = [groups[r * self.prompts_per_rank: (r + 1) * self.prompts_per_rank] for r in range(self.args.world_size)]
-        responses, logprobs, versions = ([[self.samples[group][j][n] for j in range(self.k) for group in rank]
-                                          for rank in ranks] for n in range(3))
+        columns = [[[self.samples[group][j][n] for j in range(self.k) for group in rank] for rank in ranks]
+                   for n in range(3 if self.environment is None else 4)]  # (episodes: and their sampled tokens)
+        responses, logprobs, versions, sampled = columns + [None] * (4 - len(columns))
         with self.lock:
             prompts = [[self.untrained[group] for group in rank] for rank in ranks]
         for group in groups:
             del self.samples[group]
             self.group_versions.pop(group, None)
         return GeneratedBatch(min(v for rank in versions for response in rank for v in response), prompts, responses,
-                              logprobs, None, generating, loading, versions, stats)
+                              logprobs, None, generating, loading, versions, stats, sampled)
 
 
 def token_versions(output, loaded):

@@ -404,12 +404,11 @@ BAD_INPUT = [  # (script, arguments, the argument the error must name)
     ("rloo.py", ["--k", "4", "--resume", "RLOO_RUN_K4", "--stop-token", "no such token"], "--stop-token"),  # found
     # once the tokenizer has loaded, and still before anything is written into the run it resumes
     # Episodes of turns: no turn, a call or a result without its place or its end, an end that is not one token of the
-    # tokenizer (found once it has loaded), streaming.
+    # tokenizer (found once it has loaded).
     ("grpo_tools_vllm.py", ["--max-turns", "0"], "--max-turns"),
     ("grpo_tools_vllm.py", ["--tool-call", "<calc>"], "--tool-call"),
     ("grpo_tools_vllm.py", ["--tool-result", "<result>{}"], "--tool-result"),
     ("grpo_tools_vllm.py", ["--tool-call", "<calc>{}</calculation>"], "--tool-call"),
-    ("grpo_tools_vllm.py", ["--generation", "streaming"], "--generation"),
 ]
 
 

@@ -2,6 +2,7 @@
 log-probability is the learner's under that version), across hand-offs loaded while responses are in flight."""
 
 import copy
+import functools
 import os
 import shutil
 
@@ -12,6 +13,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import data
 import generator
+import grpo_tools_vllm
 import rloo_vllm
 import vllm_engine
 import weight_handoff
@@ -57,6 +59,10 @@ def test_a_streaming_batchs_metrics_count_its_tokens_by_staleness():
         "async/token_staleness_mean": 1.0, "async/token_staleness_max": 2.0, "async/token_staleness_min": 0.0,
         "async/mixed_version_responses": 0.5, "async/vllm_in_flight": 3.0, "async/regenerated_prompts": 1}
     assert batch._replace(stream=None).stream_metrics(5) == {}  # batch mode
+    # Episodes: the environment's tokens (sampled 0) are not the policy's and do not count.
+    episodes = batch._replace(token_versions=[[[3, 1, 1, 4], [2]]], sampled=[[[1, 0, 0, 1], [1]]])
+    shares = {f"async/tokens_stale_{s}": 1 / 3 for s in range(3)}
+    assert episodes.stream_metrics(5) == {**batch.stream_metrics(5), **shares}
 
 
 def test_the_mismatch_kl_of_mixed_responses_is_the_batchs_over_its_ranks():
@@ -123,6 +129,89 @@ def test_each_tokens_log_probability_is_that_of_the_version_vllm_reports_for_it(
         assert differences.mean() <= weight_handoff.PROBE_TOLERANCE[False] and differences.max() <= 0.02, differences
     else:
         assert differences.max() > 0.02 and differences.mean() > weight_handoff.PROBE_TOLERANCE[False]
+
+
+TOOLS = os.path.join(os.path.dirname(TINY), "tiny_tools")
+
+
+def test_episodes_stream_turn_by_turn_token_in_token_out_each_token_its_versions(tmp_path):
+    """grpo_tools_vllm.py's episodes in the streaming generator (its environment, the calculator, at most 3 turns): 8
+    prompts x 4 episodes of up to 32 tokens, versions 1 and 2 loaded while turns are in flight (after 3 and 11 decoding
+    steps). Each episode's next turn goes to vLLM as its last ends, its context the prompt and the ids so far, as vLLM
+    sampled them and the environment appended them; the batch the learner takes holds, position by position, vLLM's
+    turns and the environment's ids between them (sampled 1 and 0), each policy token with the version vLLM reports for
+    it and vLLM's log-probability, which is the learner's under that version (the weight check's tolerance; 0.02 for
+    one token)."""
+    path = os.path.join(TOOLS, "sft")
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    versions = _versions(path, tmp_path, 2)
+    args = grpo_tools_vllm.Args(bf16=False, response_length=32, batch_size=32, temperature=1.0, max_turns=3,
+                                vllm_enforce_eager=True, max_prompt_length=32, seed=1)
+    args.world_size = 1
+    env = grpo_tools_vllm.make_calculator(args, tokenizer, tokenizer.eos_token_id)
+    prompts = [tokenizer.encode(f"Question: What is {a} * {b}?\n") for a, b in
+               [(47, 38), (21, 96), (55, 13), (82, 64), (19, 37), (73, 58), (36, 91), (64, 27)]]
+    llm = vllm_engine.start_vllm(args, path)
+    requests, turns = [], []  # vLLM's requests (id, context), finished turns (id, ids, log-probabilities, versions)
+    add, step = llm.llm_engine.add_request, llm.llm_engine.step
+
+    def spy_add(request, prompt, *rest, **kwargs):
+        requests.append((request, list(prompt["prompt_token_ids"])))
+        return add(request, prompt, *rest, **kwargs)
+
+    def spy_step():
+        outputs = step()
+        turns.extend((o.request_id, *vllm_engine.sampled_tokens(o.outputs[0]), generator.token_versions(o, 2))
+                     for o in outputs if o.finished)
+        return outputs
+
+    llm.llm_engine.add_request, llm.llm_engine.step = spy_add, spy_step
+    try:
+        thread = generator.StreamingThread(
+            args, llm, functools.partial(grpo_tools_vllm.turn_request, env), grpo_tools_vllm.generating_version,
+            grpo_tools_vllm.batch_prompts, weights_dir=str(tmp_path), train_prompts=prompts, prompts_per_rank=8, k=4,
+            stop_id=tokenizer.eos_token_id, first_version=0, off_policy_steps=2, probe=None, in_memory=False,
+            environment=functools.partial(grpo_tools_vllm.environment_step, env))
+        llm.llm_engine.set_weight_version("0")
+        for _ in range(8):
+            thread._submit()
+        for step_ in range(1, 300):
+            if step_ in (3, 11):
+                thread._load(1 if step_ == 3 else 2, versions[1 if step_ == 3 else 2][0], None, None)
+            thread._step(2 if step_ >= 11 else 1 if step_ >= 3 else 0)
+            if not thread.running:
+                break
+    finally:
+        vllm_engine.shut_down(llm)
+    assert len(thread.done) == 8 and not thread.episodes
+    batch = thread._batch(thread.done, 0.0, 0.0, {"in_flight": 1.0, "regenerated": 0})
+    # Each episode from vLLM's requests and turns alone, the environment's ids computed here from each turn.
+    expected = {}  # {request: [ids, sampled, log-probabilities, versions, turns]}
+    for request, context in requests:
+        ids, own, logprobs, token_versions, _ = episode = expected.setdefault(request, [[], [], [], [], 0])
+        assert context == prompts[thread.untrained[int(request.split("/")[0])]] + ids  # the prompt, the ids so far
+        _, tokens, turn_logprobs, turn_versions = turns.pop(next(i for i, t in enumerate(turns) if t[0] == request))
+        episode[4] += 1
+        result, _ = grpo_tools_vllm.environment_step(env, tokens, episode[4], 32 - len(ids) - len(tokens))
+        ids += tokens + result
+        own += [1] * len(tokens) + [0] * len(result)
+        logprobs += turn_logprobs + [0.0] * len(result)
+        token_versions += turn_versions + turn_versions[-1:] * len(result)  # (the turn's, counted nowhere)
+    order = [f"{group}/{j}" for j in range(4) for group in thread.done]
+    assert [expected[request][:4] for request in order] == [list(columns) for columns in zip(
+        batch.responses[0], batch.sampled[0], batch.logprobs[0], batch.token_versions[0])]
+    two_turns, differences, versions_seen = 0, [], set()
+    for request, response, logprobs, token_versions, own in zip(order, batch.responses[0], batch.logprobs[0],
+                                                                  batch.token_versions[0], batch.sampled[0]):
+        two_turns += 0 in own and own[-1] == 1
+        prompt = prompts[thread.untrained[int(request.split("/")[0])]]
+        by_version = {v: _learner_logprobs(versions[v][1], prompt, response) for v in set(token_versions)}
+        for i in [i for i in range(len(response)) if own[i]]:
+            differences.append(abs(logprobs[i] - by_version[token_versions[i]][i].item()))
+            versions_seen.add(token_versions[i])
+    differences = torch.tensor(differences)
+    assert differences.mean() <= weight_handoff.PROBE_TOLERANCE[False] and differences.max() <= 0.02, differences
+    assert two_turns >= 2 and versions_seen == {0, 1, 2}, (two_turns, versions_seen)
 
 
 @pytest.mark.parametrize("model", ["tiny", "smollm2"])
@@ -273,3 +362,28 @@ def test_rloo_vllm_learns_with_an_adapter_in_streaming_mode_and_resumes(tmp_path
     assert [row["update"] for row in resumed] == list(range(7)) and resumed[6]["episode"] == last["episode"]
     assert resumed[6]["time/episodes_per_second"] != last["time/episodes_per_second"]  # (updates 5 and 6 again)
     assert all(row["async/mixed_version_responses"] == 0 for row in resumed[5:])
+
+
+def test_grpo_tools_vllm_streams_its_episodes_learns_and_resumes(tmp_path):
+    """grpo_tools_vllm.py --generation streaming on the tiny tool task, 4 updates of 64 episodes of at most two turns,
+    the weights checked at updates 1, 2 and 4: episodes go on after their calls, no policy token is more than K = 1
+    versions behind, the greedy accuracy and the tool rate rise, and a run resumed from its checkpoint at update 2
+    trains updates 3 and 4 (its episodes in flight generated again from their prompts)."""
+    command = ["grpo_tools_vllm.py", "--generation", "streaming", "--max-turns", "2", "--learning-rate", "3e-4",
+               "--total-episodes", "256", "--per-device-train-batch-size", "64", "--eval-every", "4",
+               "--num-eval-prompts", "16", "--save-every", "2", "--check-weights-every", "2", "--vllm-enforce-eager"]
+    whole = run_script(*command, "--output-dir", str(tmp_path))
+    assert whole.stdout.count("weight check:") == 1
+    run_dir = run_dir_of(tmp_path)
+    rows = read_metrics(run_dir)
+    assert [row["update"] for row in rows] == list(range(5))
+    assert all(row["tools/turns"] > 1 and row["tools/environment_tokens"] > 0 for row in rows[1:]), rows
+    assert all(row["async/token_staleness_max"] <= 1 for row in rows[1:]) and rows[1]["async/token_staleness_max"] == 0
+    assert rows[4]["eval/scores"] > rows[0]["eval/scores"] + 0.3, (rows[0]["eval/scores"], rows[4]["eval/scores"])
+    assert rows[4]["tools/tool_rate"] > rows[1]["tools/tool_rate"], [row["tools/tool_rate"] for row in rows[1:]]
+    shutil.rmtree(os.path.join(run_dir, "checkpoint-4"))
+    run_script(*command, "--output-dir", str(tmp_path), "--resume", run_dir)
+    resumed = read_metrics(run_dir)
+    assert [row["update"] for row in resumed] == list(range(5)) and resumed[4]["episode"] == 256
+    assert resumed[4]["time/episodes_per_second"] != rows[4]["time/episodes_per_second"]  # (updates 3 and 4 again)
+    assert all(row["tools/turns"] > 1 and row["async/token_staleness_max"] <= 1 for row in resumed[3:])
