@@ -19,9 +19,9 @@
 # Expected time on one H200, imports included. Estimates from reading (one engine start, compiling from cold because
 # vLLM's compile cache is keyed by the model's path, which differs at every hand-off: about 1.5-2.7 min with its run),
 # not measured: each stage prints its time; put the figures here. A stage that starts vLLM starts at most two engines.
-#   stage:        1    2    3a   3b   4a   4b   4c   4d   4e   4f   5a   5b   6    7a   7b   7c   8
-#   vLLM engines: 0    0    2    2    2    2    1    2    2    2    2    2    0    2    1    1    1
-#   minutes:      3.5-5  5-6.5  3.5-6  2.5-5  3-5.5  3-5.5  1.5-3  3.5-5.5  3-5.5  3-5.5  4-6  4-6  4-5  3-5.5  2-3.5  1.5-3  2-3
+#   stage:        1    2    3a   3b   4a   4b   4c   4d   4e   4f   4g   5a   5b   6    7a   7b   7c   8
+#   vLLM engines: 0    0    2    2    2    2    1    2    2    2    1    2    2    0    2    1    1    1
+#   minutes:      3.5-5  5-6.5  3.5-6  2.5-5  3-5.5  3-5.5  1.5-3  3.5-5.5  3-5.5  3-5.5  1.5-3  4-6  4-6  4-5  3-5.5  2-3.5  1.5-3  2-3
 #
 # Every *_vllm.py run checks at every update that vLLM holds the learner's weights (--check-weights-every 1) and
 # stops if not; the on-policy (--sync) runs also assert vLLM's log-probabilities against the learner's at every update.
@@ -43,7 +43,9 @@
 #         at most K = 1 versions behind and the weight check's requests run amid the stream at every update;
 #         grpo_vllm with LoRA, K + 1 adapters served in one decoding step, no response mixing versions. 4f:
 #         grpo_tools_vllm (episodes of turns with the calculator): every turn sampled by vLLM in bf16 and the
-#         environment's tokens appended, masked out of the loss; with a LoRA adapter, every turn under it.
+#         environment's tokens appended, masked out of the loss; with a LoRA adapter, every turn under it. 4g: its
+#         streaming episodes, each turn a request of the running engine, each version loaded over CUDA IPC between
+#         decoding steps, every policy token at most K = 1 versions behind.
 # 5a (1 GPU, vLLM): rloo_vllm --sync in bf16 with async/mismatch_kl under 1e-2 at every update; on a real model
 #         (SmolLM2, tied embeddings) in float32, under 1e-5. 5b: rloo_vllm resumed within 1e-3.
 # 6 (2 GPUs, no vLLM): rloo.py and ppo.py under ZeRO-3 (collectives on NCCL, parameters gathered per module);
@@ -64,7 +66,7 @@ PYTHON=${PYTHON:-$([ -x .venv/bin/python ] && echo "$PWD/.venv/bin/python" || ec
 export PYTHON  # the checks' `bash -c` commands run "$PYTHON" too
 if ! "$PYTHON" -c "" 2>/dev/null; then echo "error: no Python at PYTHON=$PYTHON (set PYTHON to one)" >&2; exit 2; fi
 deepspeed() { "$PYTHON" -m deepspeed.launcher.runner "$@"; }  # the launcher of $PYTHON's DeepSpeed, on PATH or not
-all_stages="1 2 3a 3b 4a 4b 4c 4d 4e 4f 5a 5b 6 7a 7b 7c 8"
+all_stages="1 2 3a 3b 4a 4b 4c 4d 4e 4f 4g 5a 5b 6 7a 7b 7c 8"
 stages=$all_stages
 if [ "${1:-}" = "--stage" ]; then
   stages=""
@@ -277,6 +279,13 @@ stage4f() {
     check "${name}_episodes" episodes_ok "$out/$name"
   done
 }
+stage4g() {
+  local name=1gpu_grpo_tools_vllm_streaming
+  check "$name" bash -c "$(declare -f run1); CUDA_VISIBLE_DEVICES=0 run1 grpo_tools_vllm.py --generation streaming --weight-sync memory $vllm_flags --output-dir $out/$name"
+  check "${name}_metrics" metrics_ok "$out/$name" 4
+  check "${name}_episodes" episodes_ok "$out/$name"
+  check "${name}_versions" streaming_ok "$out/$name" 0
+}
 stage5a() {
   # On-policy in bf16 vLLM and the learner differ only by their kernels' rounding: the KL per token stays below 1e-2
   # unless vLLM holds other weights (measured on CPU in bf16, SmolLM2 --sync: 2.3e-3 to 3.7e-3; float32: 5e-9).
@@ -387,11 +396,11 @@ stage8() {
 }
 
 # What each stage imports (its scripts and their modules; evaluate.py's HF path none more), imported before it runs
-declare -A needs_gpus=([1]=1 [2]=1 [3a]=1 [3b]=1 [4a]=1 [4b]=1 [4c]=1 [4d]=1 [4e]=1 [4f]=1 [5a]=1 [5b]=1 [6]=2 [7a]=2
-  [7b]=2 [7c]=2 [8]=3)
+declare -A needs_gpus=([1]=1 [2]=1 [3a]=1 [3b]=1 [4a]=1 [4b]=1 [4c]=1 [4d]=1 [4e]=1 [4f]=1 [4g]=1 [5a]=1 [5b]=1 [6]=2
+  [7a]=2 [7b]=2 [7c]=2 [8]=3)
 base="torch transformers deepspeed tyro datasets" with_vllm="torch transformers deepspeed tyro datasets vllm pynvml"
 declare -A needs_packages=([1]="$base peft" [2]="$base" [3a]="$with_vllm" [3b]="$with_vllm" [4a]="$with_vllm"
-  [4b]="$with_vllm" [4c]="$with_vllm" [4d]="$with_vllm peft" [4e]="$with_vllm peft" [4f]="$with_vllm peft" [5a]="$with_vllm"
+  [4b]="$with_vllm" [4c]="$with_vllm" [4d]="$with_vllm peft" [4e]="$with_vllm peft" [4f]="$with_vllm peft" [4g]="$with_vllm" [5a]="$with_vllm"
   [5b]="$with_vllm" [6]="$base peft" [7a]="$with_vllm" [7b]="$with_vllm" [7c]="$with_vllm" [8]="$with_vllm")
 declare -A unimportable=()  # package -> "" (not installed) or why its import failed; each imported once, all together
 while IFS=$'\t' read -r package why; do [ -n "$package" ] && unimportable[$package]=$why; done < <(
