@@ -251,7 +251,8 @@ NEW_ALGORITHM = {
 @pytest.mark.slow
 def test_a_new_algorithm_copied_from_a_script_passes_the_quick_tests_with_no_test_edited(tmp_path):
     """The repository's files with the copy beside them: the quick test selection finds it by its shape, holds it to the
-    reading order, and passes; the copy runs and learns something different from rloo.py's run."""
+    reading order, and passes (the quick tests of every file that finds scripts: by conftest's lists or in the tree);
+    the copy runs and learns something different from rloo.py's run."""
     listed = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
                             capture_output=True, text=True, check=True).stdout.split()
     tree = tmp_path / "repo"
@@ -268,8 +269,11 @@ def test_a_new_algorithm_copied_from_a_script_passes_the_quick_tests_with_no_tes
     collected = subprocess.run([sys.executable, "-m", "pytest", "-q", "--collect-only", "-m", "not slow", "tests"],
                                cwd=tree, capture_output=True, text=True)
     assert collected.stdout.count("reinforce_pp.py") >= 2, collected.stdout[-3000:]  # the layout's tests found it
+    finds_scripts = re.compile(r"SCRIPTS|ALGORITHMS|TOP_LEVEL|is_script|ls-files|\*\.py")
+    finding = [os.path.join("tests", name) for name in sorted(os.listdir(tree / "tests"))
+               if name.startswith("test_") and finds_scripts.search((tree / "tests" / name).read_text())]
     quick = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-m", "not slow",
-                            "tests"], cwd=tree, capture_output=True, text=True, timeout=900)
+                            *finding], cwd=tree, capture_output=True, text=True, timeout=900)
     assert quick.returncode == 0, quick.stdout[-4000:]
     arguments = ["--total-episodes", "64", "--per-device-train-batch-size", "16", "--eval-every", "0",
                  "--num-eval-prompts", "8", "--seed", "2"]

@@ -41,6 +41,21 @@ def _versions(model_path, tmp_path, count):
     return versions
 
 
+def _adapters(args, model_path, tmp_path, count):
+    """The policy with a LoRA adapter and `count` later versions of it (each a peft save_pretrained directory vLLM adds
+    as an adapter, and the model), each adapter a large step from the one before (a fresh one is the identity)."""
+    policy = data.with_lora(args, AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval())
+    versions, generator_ = [], torch.Generator().manual_seed(0)
+    for version in range(count + 1):
+        with torch.no_grad():
+            for name, parameter in policy.named_parameters():
+                if "lora_" in name:
+                    parameter.add_(torch.randn(parameter.shape, generator=generator_) * 0.05)
+        policy.save_pretrained(tmp_path / f"policy-{version}")
+        versions.append((str(tmp_path / f"policy-{version}"), copy.deepcopy(policy).eval()))
+    return versions
+
+
 def _learner_logprobs(model, prompt, tokens):
     """The learner's log-probability of each response token (temperature 1), in float64 from float32 logits."""
     ids = torch.tensor([prompt + tokens])
@@ -134,30 +149,33 @@ def test_each_tokens_log_probability_is_that_of_the_version_vllm_reports_for_it(
 TOOLS = os.path.join(os.path.dirname(TINY), "tiny_tools")
 
 
-def test_episodes_stream_turn_by_turn_token_in_token_out_each_token_its_versions(tmp_path):
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_episodes_stream_turn_by_turn_token_in_token_out_each_token_its_versions(tmp_path, lora):
     """grpo_tools_vllm.py's episodes in the streaming generator (its environment, the calculator, at most 3 turns): 8
     prompts x 4 episodes of up to 32 tokens, versions 1 and 2 loaded while turns are in flight (after 3 and 11 decoding
     steps). Each episode's next turn goes to vLLM as its last ends, its context the prompt and the ids so far, as vLLM
     sampled them and the environment appended them; the batch the learner takes holds, position by position, vLLM's
     turns and the environment's ids between them (sampled 1 and 0), each policy token with the version vLLM reports for
     it and vLLM's log-probability, which is the learner's under that version (the weight check's tolerance; 0.02 for
-    one token)."""
+    one token). With LoRA each turn is its adapter's, the newest when it started (an episode's turns under two), and
+    after each load vLLM holds the adapters of the groups running, of the turns running and the newest, no other."""
     path = os.path.join(TOOLS, "sft")
     tokenizer = AutoTokenizer.from_pretrained(path)
-    versions = _versions(path, tmp_path, 2)
     args = grpo_tools_vllm.Args(bf16=False, response_length=32, batch_size=32, temperature=1.0, max_turns=3,
-                                vllm_enforce_eager=True, max_prompt_length=32, seed=1)
+                                vllm_enforce_eager=True, max_prompt_length=32, seed=1, lora_rank=8 * lora,
+                                generation="streaming", off_policy_steps=2)
     args.world_size = 1
+    versions = _adapters(args, path, tmp_path, 2) if lora else _versions(path, tmp_path, 2)
     env = grpo_tools_vllm.make_calculator(args, tokenizer, tokenizer.eos_token_id)
     prompts = [tokenizer.encode(f"Question: What is {a} * {b}?\n") for a, b in
                [(47, 38), (21, 96), (55, 13), (82, 64), (19, 37), (73, 58), (36, 91), (64, 27)]]
-    llm = vllm_engine.start_vllm(args, path)
-    requests, turns = [], []  # vLLM's requests (id, context), finished turns (id, ids, log-probabilities, versions)
+    llm = vllm_engine.start_vllm(args, path, lora_rank=args.lora_rank)
+    requests, turns = [], []  # vLLM's requests (id, context, adapter), finished turns (id, ids, logprobs, versions)
     add, step = llm.llm_engine.add_request, llm.llm_engine.step
 
-    def spy_add(request, prompt, *rest, **kwargs):
-        requests.append((request, list(prompt["prompt_token_ids"])))
-        return add(request, prompt, *rest, **kwargs)
+    def spy_add(request, prompt, *rest, lora_request=None, **kwargs):
+        requests.append((request, list(prompt["prompt_token_ids"]), lora_request and lora_request.lora_name))
+        return add(request, prompt, *rest, lora_request=lora_request, **kwargs)
 
     def spy_step():
         outputs = step()
@@ -171,13 +189,21 @@ def test_episodes_stream_turn_by_turn_token_in_token_out_each_token_its_versions
             args, llm, functools.partial(grpo_tools_vllm.turn_request, env), grpo_tools_vllm.generating_version,
             grpo_tools_vllm.batch_prompts, weights_dir=str(tmp_path), train_prompts=prompts, prompts_per_rank=8, k=4,
             stop_id=tokenizer.eos_token_id, first_version=0, off_policy_steps=2, probe=None, in_memory=False,
-            environment=functools.partial(grpo_tools_vllm.environment_step, env))
+            environment=functools.partial(grpo_tools_vllm.environment_step, env),
+            adapter=vllm_engine.add_adapter(llm, 0, versions[0][0]) if lora else None)
         llm.llm_engine.set_weight_version("0")
+        kept_for_a_turn = dropped = False  # (LoRA: version 1's adapter kept while a turn uses it, then dropped)
         for _ in range(8):
             thread._submit()
         for step_ in range(1, 300):
             if step_ in (3, 11):
                 thread._load(1 if step_ == 3 else 2, versions[1 if step_ == 3 else 2][0], None, None)
+            if lora and step_ >= 11:
+                turning = any(state[6] == "policy-1" for state in thread.episodes.values())
+                assert thread._drop_old_adapters(oldest=0) == 0  # (no group too old: all of version 0)
+                assert set(thread.adapters) == ({0, 1, 2} if turning else {0, 2})  # (before vLLM, which a drop kills)
+                assert set(llm.llm_engine.list_loras()) == {version + 1 for version in thread.adapters}  # (its ids)
+                kept_for_a_turn, dropped = kept_for_a_turn or turning, dropped or (kept_for_a_turn and not turning)
             thread._step(2 if step_ >= 11 else 1 if step_ >= 3 else 0)
             if not thread.running:
                 break
@@ -186,11 +212,14 @@ def test_episodes_stream_turn_by_turn_token_in_token_out_each_token_its_versions
     assert len(thread.done) == 8 and not thread.episodes
     batch = thread._batch(thread.done, 0.0, 0.0, {"in_flight": 1.0, "regenerated": 0})
     # Each episode from vLLM's requests and turns alone, the environment's ids computed here from each turn.
-    expected = {}  # {request: [ids, sampled, log-probabilities, versions, turns]}
-    for request, context in requests:
+    expected, turn_adapters = {}, set()  # {request: [ids, sampled, log-probabilities, versions, turns]}
+    for request, context, adapter in requests:
         ids, own, logprobs, token_versions, _ = episode = expected.setdefault(request, [[], [], [], [], 0])
         assert context == prompts[thread.untrained[int(request.split("/")[0])]] + ids  # the prompt, the ids so far
         _, tokens, turn_logprobs, turn_versions = turns.pop(next(i for i, t in enumerate(turns) if t[0] == request))
+        if lora:  # the turn is its adapter's, named with the request
+            assert turn_versions == [int(adapter.removeprefix("policy-"))] * len(tokens), (turn_versions, adapter)
+            turn_adapters.add((request, adapter))
         episode[4] += 1
         result, _ = grpo_tools_vllm.environment_step(env, tokens, episode[4], 32 - len(ids) - len(tokens))
         ids += tokens + result
@@ -212,6 +241,9 @@ def test_episodes_stream_turn_by_turn_token_in_token_out_each_token_its_versions
     differences = torch.tensor(differences)
     assert differences.mean() <= weight_handoff.PROBE_TOLERANCE[False] and differences.max() <= 0.02, differences
     assert two_turns >= 2 and versions_seen == {0, 1, 2}, (two_turns, versions_seen)
+    if lora:
+        assert len(turn_adapters) > len({request for request, _ in turn_adapters})  # an episode under two adapters
+        assert kept_for_a_turn and dropped
 
 
 @pytest.mark.parametrize("model", ["tiny", "smollm2"])
@@ -227,15 +259,7 @@ def test_with_lora_each_response_is_its_adapters_and_old_adapters_leave_vllm(tmp
     args = rloo_vllm.Args(bf16=False, response_length=24, batch_size=8, temperature=1.0, vllm_enforce_eager=True,
                           max_prompt_length=32, seed=1, lora_rank=8, generation="streaming", off_policy_steps=1)
     args.world_size = 1
-    policy = data.with_lora(args, AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval())
-    models, generator_ = [], torch.Generator().manual_seed(0)
-    for version in range(3):  # each version's adapter a large step from the one before (a fresh one is the identity)
-        with torch.no_grad():
-            for name, parameter in policy.named_parameters():
-                if "lora_" in name:
-                    parameter.add_(torch.randn(parameter.shape, generator=generator_) * 0.05)
-        policy.save_pretrained(tmp_path / f"policy-{version}")
-        models.append(copy.deepcopy(policy).eval())
+    models = [model for _, model in _adapters(args, path, tmp_path, 2)]
     prompts = [tokenizer.encode(p) for p in PROMPTS]
     llm = vllm_engine.start_vllm(args, path, lora_rank=8)
     try:
