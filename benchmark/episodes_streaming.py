@@ -79,7 +79,8 @@ def main():
     args = grpo_tools_vllm.Args(**TASKS[options.task], k=options.k, max_turns=options.max_turns, seed=options.seed,
                                 response_length=options.response_length, bf16=False, temperature=1.0,
                                 per_device_train_batch_size=options.prompts * options.k, vllm_enforce_eager=True,
-                                total_episodes=options.batches * options.prompts * options.k, sync=True)
+                                total_episodes=options.batches * options.prompts * options.k,
+                                sync=True)  # (no learner beside vLLM: it may use every core, as with --sync)
     args.world_size = 1
     grpo_tools_vllm.validate(args)  # (batch sizes and the number of updates, as the script computes them)
     tokenizer, stop_id, train_prompts, *_ = data.load_data(args, args.local_batch_size // args.k)
