@@ -481,6 +481,7 @@ class StreamingThread(GenerationThread):
         self.again = collections.deque(self.untrained)  # groups to generate (again)
         self.groups, self.requests = 0, state["requests"]  # numbering groups, and requests (their seeds)
         self.running, self.samples, self.done = {}, {}, []  # {group: responses left}, {group: [sample j's]}, finished
+        self.in_flight = []  # the requests in flight at each decoding step since the last batch
         # with LoRA: the adapters vLLM holds, {version: LoRARequest}, and each group's version (its adapter's)
         self.adapters = {} if self.adapter is None else {self.first_version: self.adapter}
         self.group_versions = {}
@@ -562,6 +563,7 @@ class StreamingThread(GenerationThread):
     def _step(self, loaded, probe=None):
         """One decoding step of vLLM; the responses it finished go to their groups, a group whose k have finished to
         the finished ones, the probe's outputs (the weight check's requests) into `probe`."""
+        self.in_flight.append(self.llm.llm_engine.get_num_unfinished_requests())  # (the next batch's stat)
         for output in self.llm.llm_engine.step():
             if not output.finished:
                 continue
@@ -642,7 +644,7 @@ class StreamingThread(GenerationThread):
         args = self.args
         per_batch = args.world_size * self.prompts_per_rank  # groups a batch takes
         loaded, update = self.first_version, self.first_update  # the version vLLM holds, the next batch's update
-        busy_since, generating, loading, steps, in_flight, regenerated = time.time(), 0.0, 0.0, 0, 0, 0
+        busy_since, generating, loading, regenerated = time.time(), 0.0, 0.0, 0
         try:
             pin_vllm_to_its_cores(args)
             self.llm.llm_engine.set_weight_version(str(loaded))
@@ -668,15 +670,16 @@ class StreamingThread(GenerationThread):
                 while room > 0 and (len(self.running) + 1) * self.k <= (args.max_in_flight or args.batch_size):
                     self._submit()
                     room -= 1
-                if not self.running:  # nothing to generate until a newer version comes (or the run ends)
+                # Nothing to generate until a newer version comes (or the run ends); unless the groups in flight all
+                # finished in the weight check's steps (_load()), and a batch of them waits to go out.
+                if not self.running and len(self.done) < per_batch:
                     with timeline.span("wait for a version", version=loaded + 1):
                         while self.versions.empty() and self.wanted.empty() and not self.stopping.is_set():
                             time.sleep(0.01)
                     busy_since = time.time()
                     continue
-                in_flight += self.llm.llm_engine.get_num_unfinished_requests()
-                steps += 1
-                self._step(loaded)
+                if self.running:
+                    self._step(loaded)
                 # A group with a token older than the next batch's update allows: its prompt is generated again.
                 oldest = update - 1 - self.off_policy_steps
                 for group in [group for group in self.done if min(min(s[2]) for s in self.samples[group]) < oldest]:
@@ -689,9 +692,10 @@ class StreamingThread(GenerationThread):
                     timeline.record("generate", busy_since, now, update=update, version=loaded)
                     taken, self.done = self.done[:per_batch], self.done[per_batch:]
                     self.batches.put(self._batch(taken, generating + now - busy_since, loading, {
-                        "groups": taken, "in_flight": in_flight / steps, "regenerated": regenerated}))
-                    update, busy_since, generating, loading, steps, in_flight, regenerated = \
-                        update + 1, now, 0.0, 0.0, 0, 0, 0
+                        "groups": taken, "in_flight": sum(self.in_flight) / max(len(self.in_flight), 1),
+                        "regenerated": regenerated}))
+                    update, busy_since, generating, loading, regenerated, self.in_flight = \
+                        update + 1, now, 0.0, 0.0, 0, []
         except BaseException as error:  # handed to the learner, which raises it
             self.error = error
 

@@ -8,6 +8,7 @@ import json
 import math
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -108,9 +109,23 @@ TIMING_KEYS = ("time/",)
 
 
 def run(command, timeout=600, env=None, check=True, cwd=ROOT):
-    """Run a command from the repository root (or `cwd`); fail the test with its output if it fails."""
-    full_env = {**os.environ, "WANDB_MODE": "offline", "TOKENIZERS_PARALLELISM": "false", **(env or {})}
-    result = subprocess.run(command, cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout)
+    """Run a command from the repository root (or `cwd`); fail the test with its output if it fails, or if it runs past
+    `timeout` seconds: then with where its threads were (SIGABRT makes PYTHONFAULTHANDLER print their stacks)."""
+    full_env = {**os.environ, "WANDB_MODE": "offline", "TOKENIZERS_PARALLELISM": "false", "PYTHONFAULTHANDLER": "1",
+                **(env or {})}
+    with subprocess.Popen(command, cwd=cwd, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          text=True) as process:
+        try:
+            stdout, stderr = process.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            process.send_signal(signal.SIGABRT)
+            try:
+                stdout, stderr = process.communicate(timeout=30)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                stdout, stderr = process.communicate()
+            pytest.fail(f"{' '.join(command)} ran past {timeout} s\n{stdout[-4000:]}\n{stderr[-12000:]}")
+    result = subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
     if check and result.returncode != 0:
         pytest.fail(f"{' '.join(command)} exited {result.returncode}\n{result.stdout[-4000:]}\n{result.stderr[-4000:]}")
     return result

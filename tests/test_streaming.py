@@ -253,15 +253,14 @@ def test_episodes_stream_turn_by_turn_token_in_token_out_each_token_its_versions
         assert kept_for_a_turn
 
 
-@pytest.mark.parametrize("model", ["tiny", "smollm2"])
-def test_with_lora_each_response_is_its_adapters_and_old_adapters_leave_vllm(tmp_path, request, model):
+def test_with_lora_each_response_is_its_adapters_and_old_adapters_leave_vllm(tmp_path):
     """LoRA in streaming: vLLM cannot change a running request's adapter, so a version's adapter serves the requests
     that start after its load. Two groups start under version 0's adapter, two more after version 1's load (4 decoding
     steps in), then version 2 loads (10 steps in) with K = 1 and the next batch update 3's: version 0's groups, too old
     for it, stop and wait to be generated again, and version 0's adapter leaves vLLM and its directory. Every response
-    is one version's, the one vLLM names, and each token's vLLM log-probability is peft's under that adapter (on the
-    tiny model and on SmolLM2, tied embeddings)."""
-    path = os.path.join(TINY, "sft") if model == "tiny" else os.path.join(request.getfixturevalue("smollm2"), "model")
+    is one version's, the one vLLM names, and each token's vLLM log-probability is peft's under that adapter. (On
+    SmolLM2, vLLM's log-probabilities under each adapter version are peft's: test_lora.py.)"""
+    path = os.path.join(TINY, "sft")
     tokenizer = AutoTokenizer.from_pretrained(path)
     args = rloo_vllm.Args(bf16=False, response_length=24, batch_size=8, temperature=1.0, vllm_enforce_eager=True,
                           max_prompt_length=32, seed=1, lora_rank=8, generation="streaming", off_policy_steps=1)
@@ -302,55 +301,88 @@ def test_with_lora_each_response_is_its_adapters_and_old_adapters_leave_vllm(tmp
             assert difference.mean() <= weight_handoff.PROBE_TOLERANCE[False] and difference.max() <= 0.02, difference
 
 
-def test_a_resumed_stream_trains_every_prompt_it_drew_once(tmp_path):
+def _stream_args():
+    args = rloo_vllm.Args(bf16=False, response_length=8, batch_size=8, vllm_enforce_eager=True, max_prompt_length=8,
+                          seed=2, generation_timeout=120)
+    args.world_size, args.num_updates, args.resume = 1, 6, None
+    return args
+
+
+@pytest.fixture(scope="module")
+def tiny_llm():
+    """One vLLM engine on the tiny SFT model for the tests below, which never change its weights (an engine costs
+    about 20 s to start and stop here)."""
+    llm = vllm_engine.start_vllm(_stream_args(), os.path.join(TINY, "sft"))
+    yield llm
+    vllm_engine.shut_down(llm)
+
+
+def test_a_batch_whose_groups_finished_in_the_weight_checks_steps_goes_out(tiny_llm, tmp_path):
+    """The last batch's groups may all finish while the generator checks a version's weights (the probe's decoding
+    steps, between two of its loop's): with nothing left to generate, that batch still goes out. (It waited for a
+    version that never came: a resumed LoRA run, whose first hand-off is checked, hung in CI.)"""
+    args = _stream_args()
+    args.num_updates, args.generation_timeout = 1, 30
+    thread = generator.StreamingThread(args, tiny_llm, rloo_vllm.sampling_params, rloo_vllm.generating_version,
+                                       rloo_vllm.batch_prompts, weights_dir=str(tmp_path),
+                                       train_prompts=[[5, 6, 7]] * 2, prompts_per_rank=2, k=2, stop_id=3,
+                                       first_version=0, off_policy_steps=1, probe=None, in_memory=False)
+    tiny_llm.llm_engine.set_weight_version("0")
+    thread._submit(), thread._submit()
+    while thread.running:  # as in _load()'s weight check
+        thread._step(0)
+    thread.start()
+    try:
+        batch = thread.get()
+    finally:
+        thread.stopping.set()
+        thread.thread.join(timeout=30)
+    assert batch.stream["groups"] == [0, 1] and batch.stream["in_flight"] > 0 and not thread.done
+
+
+def test_a_resumed_stream_trains_every_prompt_it_drew_once(tiny_llm, tmp_path):
     """The streaming generator stopped after two batches of 4 prompts (its requests in flight dropped, as a killed run's
     are) and a second one resumed from its state() for four more: every prompt drawn from the script's order is trained
     on once, or is still drawn and untrained at the end, on its way to a batch; none is lost, none trained twice. A
     generator stopped in the middle of a batch of the order goes on from the next prompt."""
-    args = rloo_vllm.Args(bf16=False, response_length=8, batch_size=8, vllm_enforce_eager=True, max_prompt_length=8,
-                          seed=2, generation_timeout=120)
-    args.world_size, args.num_updates, args.resume = 1, 6, None
+    args, llm = _stream_args(), tiny_llm
     prompts = [[5, 6 + i, 7] for i in range(12)]  # 12 prompts: batches of 4 go through them in shuffled epochs
     common = dict(weights_dir=str(tmp_path), train_prompts=prompts, prompts_per_rank=4, k=2, stop_id=3, probe=None,
                   in_memory=False, off_policy_steps=10)  # (K = 10: no batch waits for a version)
-    llm = vllm_engine.start_vllm(args, os.path.join(TINY, "sft"))
     trained = []
-    try:
-        first = generator.StreamingThread(args, llm, rloo_vllm.sampling_params, rloo_vllm.generating_version,
-                                          rloo_vllm.batch_prompts, first_version=0, **common)
-        first.start()
-        trained += [i for _ in range(2) for i in first.get().prompts[0]]
-        first.stopping.set()
-        first.thread.join(timeout=30)
-        state = first.state()
-        llm.llm_engine.abort_request([f"{g}/{j}" for g in first.running for j in range(2)])
-        assert state["untrained"], state  # it had drawn more prompts than it trained on
-        args.resume = "a checkpoint"
-        second = generator.StreamingThread(args, llm, rloo_vllm.sampling_params, rloo_vllm.generating_version,
-                                           rloo_vllm.batch_prompts, first_version=2, resumed_stream=state, **common)
-        second.start()
-        trained += [i for _ in range(4) for i in second.get().prompts[0]]
-        second.stopping.set()
-        second.thread.join(timeout=30)
-        end = second.state()
-        # Every prompt drawn and not trained on is on its way: to be generated, in flight, finished or in a batch.
-        queued = {group for batch in second.batches.queue for group in batch.stream["groups"]}
-        assert set(second.untrained) == set(second.again) | set(second.running) | set(second.done) | queued
-        llm.llm_engine.abort_request([f"{g}/{j}" for g in second.running for j in range(2)])
-        # Stopped in the middle of a batch of the order (5 prompts drawn), a resumed generator draws the 6th next.
-        third = generator.StreamingThread(args, llm, rloo_vllm.sampling_params, rloo_vllm.generating_version,
-                                          rloo_vllm.batch_prompts, first_version=0, **common)
-        for _ in range(5):
-            third._submit()
-        llm.llm_engine.abort_request([f"{g}/{j}" for g in third.running for j in range(2)])
-        fourth = generator.StreamingThread(args, llm, rloo_vllm.sampling_params, rloo_vllm.generating_version,
-                                           rloo_vllm.batch_prompts, first_version=0, resumed_stream=third.state(),
-                                           **common)
-        for _ in range(6):
-            fourth._submit()
-        llm.llm_engine.abort_request([f"{g}/{j}" for g in fourth.running for j in range(2)])
-    finally:
-        vllm_engine.shut_down(llm)
+    first = generator.StreamingThread(args, llm, rloo_vllm.sampling_params, rloo_vllm.generating_version,
+                                      rloo_vllm.batch_prompts, first_version=0, **common)
+    first.start()
+    trained += [i for _ in range(2) for i in first.get().prompts[0]]
+    first.stopping.set()
+    first.thread.join(timeout=30)
+    state = first.state()
+    llm.llm_engine.abort_request([f"{g}/{j}" for g in first.running for j in range(2)])
+    assert state["untrained"], state  # it had drawn more prompts than it trained on
+    args.resume = "a checkpoint"
+    second = generator.StreamingThread(args, llm, rloo_vllm.sampling_params, rloo_vllm.generating_version,
+                                       rloo_vllm.batch_prompts, first_version=2, resumed_stream=state, **common)
+    second.start()
+    trained += [i for _ in range(4) for i in second.get().prompts[0]]
+    second.stopping.set()
+    second.thread.join(timeout=30)
+    end = second.state()
+    # Every prompt drawn and not trained on is on its way: to be generated, in flight, finished or in a batch.
+    queued = {group for batch in second.batches.queue for group in batch.stream["groups"]}
+    assert set(second.untrained) == set(second.again) | set(second.running) | set(second.done) | queued
+    llm.llm_engine.abort_request([f"{g}/{j}" for g in second.running for j in range(2)])
+    # Stopped in the middle of a batch of the order (5 prompts drawn), a resumed generator draws the 6th next.
+    third = generator.StreamingThread(args, llm, rloo_vllm.sampling_params, rloo_vllm.generating_version,
+                                      rloo_vllm.batch_prompts, first_version=0, **common)
+    for _ in range(5):
+        third._submit()
+    llm.llm_engine.abort_request([f"{g}/{j}" for g in third.running for j in range(2)])
+    fourth = generator.StreamingThread(args, llm, rloo_vllm.sampling_params, rloo_vllm.generating_version,
+                                       rloo_vllm.batch_prompts, first_version=0, resumed_stream=third.state(),
+                                       **common)
+    for _ in range(6):
+        fourth._submit()
+    llm.llm_engine.abort_request([f"{g}/{j}" for g in fourth.running for j in range(2)])
     order = [i for batch in range(1, end["next_batch"] + 1)
              for i in rloo_vllm.batch_prompts(args, len(prompts), 4, batch)[0]]
     drawn = order[:(end["next_batch"] - 1) * 4 + end["next_in_batch"]]
