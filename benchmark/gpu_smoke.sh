@@ -45,7 +45,8 @@
 #         grpo_tools_vllm (episodes of turns with the calculator): every turn sampled by vLLM in bf16 and the
 #         environment's tokens appended, masked out of the loss; with a LoRA adapter, every turn under it. 4g: its
 #         streaming episodes, each turn a request of the running engine, each version loaded over CUDA IPC between
-#         decoding steps, every policy token at most K = 1 versions behind.
+#         decoding steps, every policy token at most K = 1 versions behind; with LoRA, each turn under the adapter
+#         newest when it started.
 # 5a (1 GPU, vLLM): rloo_vllm --sync in bf16 with async/mismatch_kl under 1e-2 at every update; on a real model
 #         (SmolLM2, tied embeddings) in float32, under 1e-5. 5b: rloo_vllm resumed within 1e-3.
 # 6 (2 GPUs, no vLLM): rloo.py and ppo.py under ZeRO-3 (collectives on NCCL, parameters gathered per module);
@@ -280,11 +281,14 @@ stage4f() {
   done
 }
 stage4g() {
-  local name=1gpu_grpo_tools_vllm_streaming
-  check "$name" bash -c "$(declare -f run1); CUDA_VISIBLE_DEVICES=0 run1 grpo_tools_vllm.py --generation streaming --weight-sync memory $vllm_flags --output-dir $out/$name"
-  check "${name}_metrics" metrics_ok "$out/$name" 4
-  check "${name}_episodes" episodes_ok "$out/$name"
-  check "${name}_versions" streaming_ok "$out/$name" 0
+  for options in "--weight-sync memory" "--lora-rank 16 --learning-rate 3e-3"; do
+    local name=1gpu_grpo_tools_vllm_streaming
+    [[ $options == --lora* ]] && name+=_lora
+    check "$name" bash -c "$(declare -f run1); CUDA_VISIBLE_DEVICES=0 run1 grpo_tools_vllm.py --generation streaming $options $vllm_flags --output-dir $out/$name"
+    check "${name}_metrics" metrics_ok "$out/$name" 4
+    check "${name}_episodes" episodes_ok "$out/$name"
+    check "${name}_versions" streaming_ok "$out/$name" 0  # (LoRA: an episode's turns may be under two adapters)
+  done
 }
 stage5a() {
   # On-policy in bf16 vLLM and the learner differ only by their kernels' rounding: the KL per token stays below 1e-2
@@ -400,7 +404,7 @@ declare -A needs_gpus=([1]=1 [2]=1 [3a]=1 [3b]=1 [4a]=1 [4b]=1 [4c]=1 [4d]=1 [4e
   [7a]=2 [7b]=2 [7c]=2 [8]=3)
 base="torch transformers deepspeed tyro datasets" with_vllm="torch transformers deepspeed tyro datasets vllm pynvml"
 declare -A needs_packages=([1]="$base peft" [2]="$base" [3a]="$with_vllm" [3b]="$with_vllm" [4a]="$with_vllm"
-  [4b]="$with_vllm" [4c]="$with_vllm" [4d]="$with_vllm peft" [4e]="$with_vllm peft" [4f]="$with_vllm peft" [4g]="$with_vllm" [5a]="$with_vllm"
+  [4b]="$with_vllm" [4c]="$with_vllm" [4d]="$with_vllm peft" [4e]="$with_vllm peft" [4f]="$with_vllm peft" [4g]="$with_vllm peft" [5a]="$with_vllm"
   [5b]="$with_vllm" [6]="$base peft" [7a]="$with_vllm" [7b]="$with_vllm" [7c]="$with_vllm" [8]="$with_vllm")
 declare -A unimportable=()  # package -> "" (not installed) or why its import failed; each imported once, all together
 while IFS=$'\t' read -r package why; do [ -n "$package" ] && unimportable[$package]=$why; done < <(

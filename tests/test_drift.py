@@ -1,12 +1,14 @@
 """What a deliberate bug once changed unseen (issue 64, M4-M7): DAPO's equal-group filter given the shaped scores at
 its call sites, the algorithm functions that shipped scripts share drifting apart, the seeding removed, the
-off-policy correction's options and mask boundary, and the divergence check in every script's loop."""
+off-policy correction's options and mask boundary, and the divergence check in every script's loop; and (M8) the
+*_vllm.py's LoRA lines, which only two of them run with an adapter in the tests."""
 
 import ast
 import collections
 import json
 import math
 import os
+import re
 import sys
 import typing
 
@@ -273,3 +275,19 @@ def test_every_loop_stops_a_diverged_model_after_its_updates_and_before_it_is_us
     uses = [call.lineno for name in ("hand_over", "evaluate", "save_checkpoint") for call in calls_in(loop, name)
             if call.lineno > last_step]
     assert uses and last_step < check.lineno < min(uses), (last_step, check.lineno, uses)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# M8. A *_vllm.py's LoRA lines (the adapter, the reference as the policy with it off, what is saved) are those of its HF
+# sibling, in order: test_lora.py runs every HF script with an adapter, and of the *_vllm.py rloo_vllm.py and
+# ppo_vllm.py (the adapter's hand-off to vLLM and its check are AsyncGeneration's, one code for every *_vllm.py).
+
+def lora_lines(script):
+    with open(script) as f:
+        return [line.strip() for line in f if re.search(r"lora|ref_policy|reference_model\(", line)
+                and not line.startswith(("import ", "from "))]
+
+
+@pytest.mark.parametrize("script", [s for s in SHIPPED_ALGORITHMS if s.endswith("_vllm.py")])
+def test_each_vllm_scripts_lora_lines_are_its_hf_siblings(script):
+    assert lora_lines(script) and lora_lines(script) == lora_lines(script.replace("_vllm", ""))

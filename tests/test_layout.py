@@ -266,15 +266,13 @@ def test_a_new_algorithm_copied_from_a_script_passes_the_quick_tests_with_no_tes
         assert source.count(old) == 1, old
         source = source.replace(old, new)
     (tree / "reinforce_pp.py").write_text(source)
-    collected = subprocess.run([sys.executable, "-m", "pytest", "-q", "--collect-only", "-m", "not slow", "tests"],
-                               cwd=tree, capture_output=True, text=True)
-    assert collected.stdout.count("reinforce_pp.py") >= 2, collected.stdout[-3000:]  # the layout's tests found it
     finds_scripts = re.compile(r"SCRIPTS|ALGORITHMS|TOP_LEVEL|is_script|ls-files|\*\.py")
     finding = [os.path.join("tests", name) for name in sorted(os.listdir(tree / "tests"))
                if name.startswith("test_") and finds_scripts.search((tree / "tests" / name).read_text())]
-    quick = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-m", "not slow",
-                            *finding], cwd=tree, capture_output=True, text=True, timeout=900)
+    quick = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rA", "-x", "-p", "no:cacheprovider", "-m",
+                            "not slow", *finding], cwd=tree, capture_output=True, text=True, timeout=900)
     assert quick.returncode == 0, quick.stdout[-4000:]
+    assert quick.stdout.count("reinforce_pp.py") >= 2, quick.stdout[-3000:]  # the layout's tests found it
     arguments = ["--total-episodes", "64", "--per-device-train-batch-size", "16", "--eval-every", "0",
                  "--num-eval-prompts", "8", "--seed", "2"]
     for script in ("reinforce_pp.py", "rloo.py"):

@@ -56,6 +56,24 @@ def _adapters(args, model_path, tmp_path, count):
     return versions
 
 
+def _stream_args():
+    args = rloo_vllm.Args(bf16=False, response_length=8, batch_size=8, vllm_enforce_eager=True, max_prompt_length=8,
+                          seed=2, generation_timeout=120)
+    args.world_size, args.num_updates, args.resume = 1, 6, None
+    return args
+
+
+@pytest.fixture(scope="module")
+def tiny_llm():
+    """One vLLM engine on the tiny SFT model for the tests that start from its weights (an engine costs about 20 s to
+    start and stop here); a test that loads other weights into it loads the SFT model's first."""
+    args = rloo_vllm.Args(bf16=False, response_length=24, batch_size=8, vllm_enforce_eager=True, max_prompt_length=32)
+    args.world_size = 1
+    llm = vllm_engine.start_vllm(args, os.path.join(TINY, "sft"))
+    yield llm
+    vllm_engine.shut_down(llm)
+
+
 def _learner_logprobs(model, prompt, tokens):
     """The learner's log-probability of each response token (temperature 1), in float64 from float32 logits."""
     ids = torch.tensor([prompt + tokens])
@@ -96,9 +114,10 @@ def test_the_mismatch_kl_of_mixed_responses_is_the_batchs_over_its_ranks():
     assert batch._replace(stream=None).version_kinds(0, "cpu") == {}
 
 
-@pytest.mark.parametrize("model, reported", [("tiny", "as loaded"), ("tiny", "the old version"),
-                                             ("smollm2", "as loaded")])
-def test_each_tokens_log_probability_is_that_of_the_version_vllm_reports_for_it(tmp_path, request, model, reported):
+@pytest.mark.parametrize("model, reported", [("tiny", "the old version"), ("tiny", "as loaded"),  # (this order: the
+                                             ("smollm2", "as loaded")])  # second shows that the reload restores)
+def test_each_tokens_log_probability_is_that_of_the_version_vllm_reports_for_it(tmp_path, request, monkeypatch, model,
+                                                                               reported):
     """Four prompts x 2 responses of 24 tokens, two versions loaded mid-flight (after 4 and 10 decoding steps) by the
     streaming generator's own load: every response holds tokens of 3 versions, and each token's vLLM log-probability
     equals the learner's under the version vLLM reports for it (within the weight check's tolerance; 0.02 for one
@@ -110,7 +129,11 @@ def test_each_tokens_log_probability_is_that_of_the_version_vllm_reports_for_it(
                           max_prompt_length=32, seed=1)
     args.world_size = 1
     prompts = [tokenizer.encode(p) for p in PROMPTS]
-    llm = vllm_engine.start_vllm(args, path)
+    if model == "tiny":  # the module's engine, from the SFT weights again
+        llm = request.getfixturevalue("tiny_llm")
+        vllm_engine.load_into_vllm(llm, path)
+    else:
+        llm = vllm_engine.start_vllm(args, path)
     try:
         thread = generator.StreamingThread(args, llm, rloo_vllm.sampling_params, rloo_vllm.generating_version,
                                            rloo_vllm.batch_prompts, weights_dir=str(tmp_path), train_prompts=prompts,
@@ -122,14 +145,15 @@ def test_each_tokens_log_probability_is_that_of_the_version_vllm_reports_for_it(
         for step in range(1, 200):
             if step in (4, 10):
                 version = 1 if step == 4 else 2
-                if reported == "the old version" and version == 2:
-                    llm.llm_engine.set_weight_version = lambda _: None  # loads version 2, still says 1
+                if reported == "the old version" and version == 2:  # loads version 2, still says 1
+                    monkeypatch.setattr(llm.llm_engine, "set_weight_version", lambda _: None)
                 thread._load(version, versions[version][0], None, None)
             thread._step(2 if step >= 10 else 1 if step >= 4 else 0)
             if not thread.running:
                 break
     finally:
-        vllm_engine.shut_down(llm)
+        if model != "tiny":
+            vllm_engine.shut_down(llm)
     differences = []
     for group in thread.done:
         prompt = prompts[thread.untrained[group]]
@@ -299,22 +323,6 @@ def test_with_lora_each_response_is_its_adapters_and_old_adapters_leave_vllm(tmp
                 learner = _learner_logprobs(models[1], prompt, tokens)
             difference = (torch.tensor(logprobs, dtype=torch.float64) - learner).abs()
             assert difference.mean() <= weight_handoff.PROBE_TOLERANCE[False] and difference.max() <= 0.02, difference
-
-
-def _stream_args():
-    args = rloo_vllm.Args(bf16=False, response_length=8, batch_size=8, vllm_enforce_eager=True, max_prompt_length=8,
-                          seed=2, generation_timeout=120)
-    args.world_size, args.num_updates, args.resume = 1, 6, None
-    return args
-
-
-@pytest.fixture(scope="module")
-def tiny_llm():
-    """One vLLM engine on the tiny SFT model for the tests below, which never change its weights (an engine costs
-    about 20 s to start and stop here)."""
-    llm = vllm_engine.start_vllm(_stream_args(), os.path.join(TINY, "sft"))
-    yield llm
-    vllm_engine.shut_down(llm)
 
 
 def test_a_batch_whose_groups_finished_in_the_weight_checks_steps_goes_out(tiny_llm, tmp_path):
