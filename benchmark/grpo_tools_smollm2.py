@@ -11,6 +11,8 @@ produce them). Then grpo_tools_vllm.py trains it, seeds 1 and 2, batch-async (K 
 accuracy at the start, middle and end. Prints the SFT policy's first-turn rates, then each run's figures.
 
     python benchmark/grpo_tools_smollm2.py | tee benchmark/results/grpo_tools_smollm2.txt   # about 45 min on 2 cores
+    python benchmark/grpo_tools_smollm2.py --seeds 1 --modes async --extra "--generation streaming --lora-rank 16 \
+        --lora-alpha 32 --learning-rate 3e-4"   # streaming episodes with a LoRA adapter
 """
 
 import argparse
@@ -123,12 +125,12 @@ def first_turns(model, tokenizer, rows, **sampling):
     return calls / len(rows), right / max(len(rows) - calls, 1)
 
 
-def run(sft, seed, sync):
-    """One grpo_tools_vllm.py run: its metrics.jsonl rows and seconds."""
+def run(sft, seed, sync, extra):
+    """One grpo_tools_vllm.py run (`extra`: arguments after RUN's): its metrics.jsonl rows and seconds."""
     with tempfile.TemporaryDirectory() as out:
         started = time.time()
         result = subprocess.run([sys.executable, "grpo_tools_vllm.py", *RUN, "--sft-model-path", sft, "--seed",
-                                 str(seed), "--output-dir", out, *(["--sync"] if sync else [])], cwd=ROOT,
+                                 str(seed), "--output-dir", out, *(["--sync"] if sync else []), *extra], cwd=ROOT,
                                 capture_output=True, text=True,
                                 env={**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline"})
         seconds = time.time() - started
@@ -148,12 +150,15 @@ def main():
     parser.add_argument("--sft-learning-rate", type=float, default=5e-5)
     parser.add_argument("--sft-from", help="an SFT policy this script built before: skip the SFT, run on it")
     parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--modes", nargs="+", choices=["async", "sync"], default=["async", "sync"])
+    parser.add_argument("--extra", default="", help="arguments added to every run's (a later one overrides RUN's)")
     args = parser.parse_args()
     start()
-    print(f"# grpo_tools_vllm.py {shlex.join(RUN)} --sft-model-path <sft> --seed <seed> [--sync]")
+    extra = shlex.split(args.extra)
+    print(f"# grpo_tools_vllm.py {shlex.join(RUN + extra)} --sft-model-path <sft> --seed <seed> [--sync]")
     if args.sft_from:
         print(f"sft: {args.sft_from}, built before", flush=True)
-        run_all(args.sft_from, args.seeds)
+        run_all(args.sft_from, args.seeds, args.modes, extra)
         return
     started = time.time()
     model, tokenizer, losses = build_sft(args.sft_dir, args.sft_steps, args.sft_batch_size, args.sft_learning_rate, 0)
@@ -168,15 +173,15 @@ def main():
           f"(greedy), {sampled[0]:.3f} (sampled at 0.7), and answers at once rightly in {greedy[1]:.3f}, "
           f"{sampled[1]:.3f} of the others", flush=True)
     del model
-    run_all(args.sft_dir, args.seeds)
+    run_all(args.sft_dir, args.seeds, args.modes, extra)
 
 
-def run_all(sft, seeds):
+def run_all(sft, seeds, modes, extra):
     print("figures per update: " + ", ".join(FIGURES) + "; eval: eval/scores (greedy accuracy on 64 held-out "
           "problems)")
     for seed in seeds:
-        for sync in (False, True):
-            rows, seconds = run(sft, seed, sync)
+        for sync in [mode == "sync" for mode in modes]:
+            rows, seconds = run(sft, seed, sync, extra)
             name = f"seed {seed} {'--sync' if sync else 'async (K = 1)'}"
             evals = " ".join(f"{row['update']}:{row['eval/scores']:.3f}" for row in rows if "eval/scores" in row)
             print(f"{name}: held-out accuracy by update {evals}; {seconds:.0f} s")
