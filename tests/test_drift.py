@@ -290,4 +290,7 @@ def lora_lines(script):
 
 @pytest.mark.parametrize("script", [s for s in SHIPPED_ALGORITHMS if s.endswith("_vllm.py")])
 def test_each_vllm_scripts_lora_lines_are_its_hf_siblings(script):
-    assert lora_lines(script) and lora_lines(script) == lora_lines(script.replace("_vllm", ""))
+    sibling = script.replace("_vllm", "")
+    assert lora_lines(script) and lora_lines(script) == lora_lines(sibling), \
+        f"{script}'s LoRA lines differ from {sibling}'s: change them together, or run {script} with an adapter in " \
+        "test_lora.py's every-script test"
