@@ -223,6 +223,45 @@ def test_default_run_logs_saves_and_learns(learning_runs, case):
     assert last["eval/response_length"] > first["eval/response_length"]  # it learned to name more topic words
 
 
+# trace.json (runlog.py) of a synchronous and an asynchronous learning run: the learner's phases of each update.
+TRACED = {0: ["generate", "score", "train", "log"], 1: ["take the batch", "score", "train", "hand over", "log"]}
+
+
+@pytest.mark.parametrize("case", TRACED, ids=[" ".join(LEARNING[case][0]) for case in TRACED])
+def test_the_trace_shows_every_update_of_the_learner_and_the_generator(learning_runs, case):
+    """trace.json is a Chrome trace: every update's phases on the learner's track, in a *_vllm.py each batch the
+    generator thread generated on its own track, no phase overlapping another on one track, and the phases covering
+    at least 90 % of each update's wall-clock time (from one update's first phase to the next's)."""
+    script, phases, (result, tmp_path, _, _) = LEARNING[case][0][0], TRACED[case], learning_runs[case]
+    assert result.returncode == 0, result.stderr[-4000:]
+    run_dir = run_dir_of(tmp_path / "runs")
+    with open(os.path.join(run_dir, "trace.json")) as f:
+        trace = json.load(f)
+    names = {(e["pid"], e["tid"]): e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "thread_name"}
+    spans = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    tracks = {name: sorted((e for e in spans if names[(e["pid"], e["tid"])] == name), key=lambda e: e["ts"])
+              for name in set(names.values())}
+    learner = tracks["MainThread"]
+    for update in range(1, UPDATES + 1):
+        assert [e["name"] for e in learner if e["args"].get("update") == update and e["name"] in phases] == phases
+    if script.endswith("_vllm.py"):
+        assert [e["args"]["update"] for e in tracks["generator"] if e["name"] == "generate a batch"] == list(
+            range(1, UPDATES + 1))
+    assert {e["name"] for e in learner} - set(phases) == {"checkpoint", "wait for the batches ahead"} & {
+        e["name"] for e in learner}
+    for track in tracks.values():
+        assert all(a["ts"] + a["dur"] <= b["ts"] + 1 for a, b in zip(track, track[1:])), track  # (1 us: rounding)
+    rows = [row for row in read_metrics(run_dir) if row["update"]]
+    assert all(row["time/update"] > 0 for row in rows)
+    if script.endswith("_vllm.py"):  # where each update's time went
+        assert all(0 <= row["time/learner_idle_fraction"] <= 1 and 0 <= row["time/vllm_idle_fraction"] <= 1
+                   and 1 <= row["time/overlap_bound"] <= 2 for row in rows), rows
+    starts = [e["ts"] for e in learner if e["name"] == phases[0]]
+    for start, end in zip(starts, starts[1:]):
+        covered = sum(e["dur"] for e in learner if start <= e["ts"] < end)
+        assert covered >= 0.9 * (end - start), (script, start, end, covered)
+
+
 @pytest.mark.parametrize("case", RESUMED, ids=[" ".join(LEARNING[case][0]) for case in RESUMED])
 def test_a_run_resumed_from_a_checkpoint_logs_the_uninterrupted_runs_numbers(learning_runs, case):
     command, (result, tmp_path, resumed, run_dir) = LEARNING[case][0], learning_runs[case]

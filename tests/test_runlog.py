@@ -9,8 +9,6 @@ import types
 
 import pytest
 
-from conftest import read_metrics, run_dir_of, run_script
-
 import runlog
 import timeline
 
@@ -50,43 +48,6 @@ def test_the_run_log_warns_once_a_sign_and_keeps_every_update(tmp_path, monkeypa
                         "may be collapsing (a learning rate too high?)"], warnings
     assert [json.loads(line)["update"] for line in open(tmp_path / "metrics.jsonl")] == [0, 1, 2, 3, 4, 5]
     assert json.load(open(tmp_path / "trace.json"))["traceEvents"][0]["args"] == {"name": "rank 0"}
-
-
-LEARNER = {"rloo_vllm.py": ["take the batch", "score", "train", "hand over", "log"],
-           "rloo.py": ["generate", "score", "train", "log"]}
-
-
-def test_the_trace_shows_every_update_of_the_learner_and_the_generator(tmp_path):
-    """trace.json of a short run is a Chrome trace: every update's phases on the learner's track, in a *_vllm.py each
-    batch the generator thread generated on its own track, no phase overlapping another on one track, and the phases
-    covering at least 90 % of each update's wall-clock time (from one update's first phase to the next's)."""
-    for script, phases in LEARNER.items():
-        run_script(script, "--total-episodes", "256", "--save-every", "2", "--eval-every", "2", "--num-eval-prompts", "8",
-                   *(["--vllm-enforce-eager"] if "vllm" in script else []), "--output-dir", str(tmp_path / script))
-        with open(os.path.join(run_dir_of(tmp_path / script), "trace.json")) as f:
-            trace = json.load(f)
-        names = {(e["pid"], e["tid"]): e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "thread_name"}
-        spans = [e for e in trace["traceEvents"] if e["ph"] == "X"]
-        tracks = {name: sorted((e for e in spans if names[(e["pid"], e["tid"])] == name), key=lambda e: e["ts"])
-                  for name in set(names.values())}
-        learner = tracks["MainThread"]
-        for update in range(1, 5):
-            assert [e["name"] for e in learner if e["args"].get("update") == update and e["name"] in phases] == phases
-        if "vllm" in script:
-            assert [e["args"]["update"] for e in tracks["generator"] if e["name"] == "generate a batch"] == [1, 2, 3, 4]
-        assert {e["name"] for e in learner} - set(phases) == {"checkpoint", "wait for the batches ahead"} & {
-            e["name"] for e in learner}
-        for track in tracks.values():
-            assert all(a["ts"] + a["dur"] <= b["ts"] + 1 for a, b in zip(track, track[1:])), track  # (1 us: rounding)
-        rows = [row for row in read_metrics(run_dir_of(tmp_path / script)) if row["update"]]
-        assert all(row["time/update"] > 0 for row in rows)
-        if "vllm" in script:  # where each update's time went
-            assert all(0 <= row["time/learner_idle_fraction"] <= 1 and 0 <= row["time/vllm_idle_fraction"] <= 1
-                       and 1 <= row["time/overlap_bound"] <= 2 for row in rows), rows
-        starts = [e["ts"] for e in learner if e["name"] == phases[0]]
-        for start, end in zip(starts, starts[1:]):
-            covered = sum(e["dur"] for e in learner if start <= e["ts"] < end)
-            assert covered >= 0.9 * (end - start), (script, start, end, covered)
 
 
 def test_an_updates_time_shares_from_its_metrics_and_the_generators_phases():
