@@ -99,24 +99,6 @@ def test_rloo_learns_with_an_adapter_and_saves_it_in_peft_format(tmp_path):
     assert evaluations["vllm"]["gold_score"] == pytest.approx(evaluations["hf"]["gold_score"], abs=0.05)
 
 
-def test_a_run_with_an_adapter_resumes_exactly(tmp_path):
-    """The checkpoint keeps the adapter and its optimizer state, not the frozen base (DeepSpeed's
-    exclude_frozen_parameters): a run resumed at update 2 repeats updates 3 and 4 to the bit."""
-    common = ["rloo.py", "--lora-rank", "8", "--learning-rate", "3e-3", "--total-episodes", "256", "--eval-every", "2",
-              "--save-every", "2", "--num-eval-prompts", "32"]
-    run_script(*common, "--output-dir", str(tmp_path / "whole"))
-    run_dir = run_dir_of(tmp_path / "whole")
-    resumed = tmp_path / "resumed" / os.path.basename(run_dir)
-    shutil.copytree(run_dir, resumed)
-    shutil.rmtree(resumed / "checkpoint-4")
-    state = torch.load(glob.glob(str(resumed / "checkpoint-2" / "training_state" / "policy" / "mp_rank_00_model_states.pt"))[0],
-                       weights_only=False)["module"]
-    assert state and all("lora_" in name for name in state)  # the adapter alone
-    run_script(*common, "--output-dir", str(tmp_path / "resumed"), "--resume", str(resumed))
-    expected, got = algorithm_metrics(read_metrics(run_dir)), algorithm_metrics(read_metrics(resumed))
-    assert [row["update"] for row in got] == list(range(5)) and expected == got
-
-
 def _move_adapter(model, seed):
     """A large step of the adapter alone (a fresh one is the identity: its B is zero)."""
     generator = torch.Generator().manual_seed(seed)
@@ -205,7 +187,9 @@ VLLM_LORA = ["rloo_vllm.py", "--lora-rank", "8", "--learning-rate", "3e-3", "--v
 
 def test_rloo_vllm_learns_with_an_adapter_and_resumes_exactly(tmp_path):
     """Asynchronous (one update late), only the adapter handed to vLLM, checked every 2 updates: it learns, and a run
-    resumed from its checkpoint at update 2 (with the batches generated ahead) repeats the rest to the bit."""
+    resumed from its checkpoint at update 2 (with the batches generated ahead) repeats the rest to the bit. The
+    checkpoint keeps the adapter and its optimizer state, not the frozen base (DeepSpeed's exclude_frozen_parameters;
+    checkpoints.py serves every script)."""
     whole = run_script(*VLLM_LORA, "--total-episodes", "384", "--output-dir", str(tmp_path / "whole"))
     assert "its LoRA adapter" in whole.stdout and whole.stdout.count("weight check:") == 1
     run_dir = run_dir_of(tmp_path / "whole")
@@ -218,6 +202,9 @@ def test_rloo_vllm_learns_with_an_adapter_and_resumes_exactly(tmp_path):
     shutil.copytree(run_dir, resumed_dir)
     for later in ("checkpoint-4", "checkpoint-6"):
         shutil.rmtree(resumed_dir / later)
+    (states,) = glob.glob(str(resumed_dir / "checkpoint-2" / "training_state" / "policy" / "mp_rank_00_model_states.pt"))
+    state = torch.load(states, weights_only=False)["module"]
+    assert state and all("lora_" in name for name in state)  # the adapter alone
     run_script(*VLLM_LORA, "--total-episodes", "384", "--output-dir", str(tmp_path / "resumed"),
                "--resume", str(resumed_dir))
     expected, got = algorithm_metrics(rows), algorithm_metrics(read_metrics(resumed_dir))
