@@ -15,6 +15,7 @@ import torch.distributed as dist
 from distributed import gathered_state_dict  # (first: it sets DS_ACCELERATOR before deepspeed is imported)
 from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
+from safetensors import SafetensorError
 from tqdm import tqdm
 from transformers import AutoTokenizer
 
@@ -157,7 +158,8 @@ def save_checkpoint(args, run_dir, update, episode, engines, extra_files=None, r
             os.replace(tmp, final)
         dist.barrier()
         timeline.record("checkpoint", start, time.time(), update=update)
-    except (OSError, RuntimeError) as error:  # a full disk: torch.save raises RuntimeError, the rest OSError
+    except (OSError, RuntimeError, SafetensorError) as error:  # a full disk: torch.save raises RuntimeError,
+        # save_pretrained safetensors' own error, the rest OSError
         free = shutil.disk_usage(run_dir).free / 2**20
         shutil.rmtree(tmp, ignore_errors=True)
         sys.exit(f"error: could not write {final} ({str(error).splitlines()[0]}; {free:.1f} MiB free on its disk): "

@@ -24,6 +24,7 @@ from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
+from safetensors import SafetensorError
 from tqdm import tqdm
 from transformers import AutoTokenizer
 
@@ -92,7 +93,7 @@ class AsyncGeneration:
         exit_on_signals()
         atexit.register(shutil.rmtree, self.weights_dir, ignore_errors=True)
         first = os.path.join(self.weights_dir, f"policy-{start_update}")
-        save_for_vllm(policy, first)
+        self.save_weights(policy, first)
         llm = adapter = None
         if self.rank == 0:
             if not lora:
@@ -168,7 +169,7 @@ class AsyncGeneration:
         path, waited = None, 0.0
         if not self.in_memory:
             path = os.path.join(self.weights_dir, f"policy-{update}")
-            save_for_vllm(policy, path)
+            self.save_weights(policy, path)
         else:
             if self.thread is not None:  # vLLM's weights change between batches only, when the generator wants them
                 start = time.time()
@@ -203,6 +204,16 @@ class AsyncGeneration:
         except GenerationFailed as error:  # the generator failed while the learner trained: as get() would say
             self.stop(str(error))
         return {GENERATED_BATCHES: [batch._asdict() for batch in ahead]}
+
+    def save_weights(self, policy, path):
+        """save_for_vllm; a full disk (or /dev/shm, shared by every process of the machine) ends the run in one line."""
+        try:
+            save_for_vllm(policy, path)
+        except (OSError, SafetensorError) as error:
+            shutil.rmtree(path, ignore_errors=True)
+            free = shutil.disk_usage(self.weights_dir).free / 2**20
+            self.stop(f"could not write the weights handed to vLLM to {path} ({str(error).splitlines()[0]}; "
+                      f"{free:.1f} MiB free there)")
 
     def stop(self, failure):
         """End the run on a fault of the generation side: one line on rank 0 naming it, the update and the checkpoint

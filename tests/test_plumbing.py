@@ -350,6 +350,59 @@ def test_a_signal_while_a_checkpoint_is_written_leaves_no_partial_one(tmp_path, 
     assert exit.value.code == 143 and os.listdir(tmp_path) == []
 
 
+def test_a_disk_that_fills_as_the_weights_are_written_ends_in_one_line(tmp_path, process_group):
+    """A disk that holds DeepSpeed's state (written first) but not the safetensors file of the weights after it: the
+    error safetensors raises (not an OSError; stop 74's CI met it on SmolLM2) ends the run in the full-disk line too,
+    the partial checkpoint removed. The disk's size comes from a checkpoint written first where there is room."""
+    process_group("gloo")
+    args = rloo.Args(sft_model_path=os.path.join(TINY, "sft"), bf16=False, num_updates=1)
+    engine = trained_engine(args, data.load_model(args, os.path.join(TINY, "sft"), trained=True))
+    checkpoints.save_checkpoint(args, str(tmp_path), 1, 64, {"policy": engine})
+    written = tmp_path / "checkpoint-1"
+    pages = {str(path.relative_to(written)): -(-path.stat().st_size // 4096) for path in written.rglob("*")
+             if path.is_file()}
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    size = sum(pages.values()) - pages["model.safetensors"] // 2  # all but half of the weights' file
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size * 4}k", "tmpfs", str(disk)], check=True)
+    try:
+        with pytest.raises(SystemExit) as exit:
+            checkpoints.save_checkpoint(args, str(disk), 2, 128, {"policy": engine})
+        left = os.listdir(disk)
+    finally:
+        subprocess.run(["umount", str(disk)], check=True)
+    assert str(exit.value.code).startswith(f"error: could not write {disk}/checkpoint-2 (Error while serializing: "
+                                           "I/O error: No space left on device"), exit.value.code
+    assert left == []
+
+
+def test_a_disk_that_fills_as_weights_are_handed_to_vllm_ends_in_one_line(tmp_path, process_group, capsys):
+    """The weights of a hand-off through files (to /dev/shm, shared by every process of the machine, or to the run
+    directory) on a disk that fills (1 MiB for the tiny policy's 2.2 MB): one line naming the path, the update and
+    the checkpoint to resume from, exit code 1, the partial version removed."""
+    process_group("gloo")
+    args = rloo.Args(sft_model_path=os.path.join(TINY, "sft"), bf16=False, num_updates=1)
+    engine = trained_engine(args, data.load_model(args, os.path.join(TINY, "sft"), trained=True))
+    disk, run_dir = tmp_path / "disk", tmp_path / "run"
+    disk.mkdir()
+    (run_dir / "checkpoint-2").mkdir(parents=True)
+    hand_off = generator.AsyncGeneration.__new__(generator.AsyncGeneration)  # its state at a hand-off after update 3
+    hand_off.rank, hand_off.run_dir, hand_off.update, hand_off.weights_dir = 0, str(run_dir), 3, str(disk)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(disk)], check=True)
+    try:
+        with pytest.raises(SystemExit) as exit:
+            hand_off.save_weights(engine, str(disk / "policy-3"))
+        left = os.listdir(disk)
+    finally:
+        subprocess.run(["umount", str(disk)], check=True)
+    assert exit.value.code == 1 and left == []
+    stderr = capsys.readouterr().err
+    (line,) = [line for line in stderr.splitlines() if line.startswith("error:")]  # (after save_pretrained's bar)
+    assert "Traceback" not in stderr and line.startswith(f"error: could not write the weights handed to vLLM to {disk}/policy-3 (Error while "
+                           "serializing: I/O error: No space left on device") and line.endswith(
+        f"(update 3); resume with --resume {run_dir}/checkpoint-2"), line
+
+
 def test_every_rank_resumes_from_rank_0s_latest_checkpoint(tmp_path):
     """Nodes sharing a run directory may list it differently for a while (NFS caches listings): a rank whose listing
     still names an older checkpoint must load rank 0's, or the ranks would resume at different updates."""
