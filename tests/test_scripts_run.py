@@ -242,7 +242,9 @@ def test_a_signal_stops_an_asynchronous_run_and_leaves_nothing_behind(tmp_path, 
         alive = [p for p in psutil.wait_procs(family, timeout=10)[1] if p.status() != psutil.STATUS_ZOMBIE]
     finally:
         os.killpg(process.pid, signal.SIGKILL) if process.poll() is None else None
-    assert returncode != 0 and took < 20, (returncode, took, (tmp_path / "log").read_text()[-3000:])
+    # Most of the time is vLLM's engine ending on the SIGTERM vLLM's shutdown sends it: 7-8 s on an idle machine, 20.9 s
+    # once in CI beside the other test process (its bound was 20 s then).
+    assert returncode != 0 and took < 40, (returncode, took, (tmp_path / "log").read_text()[-3000:])
     assert family and not alive, [p.pid for p in alive]
     assert not glob.glob(f"/dev/shm/*-{process.pid}-weights") + glob.glob(f"{out}/*__*/*-weights")
     assert not glob.glob(f"{out}/*__*/*.tmp")
